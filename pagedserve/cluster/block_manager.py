@@ -316,6 +316,8 @@ class BlockManager:
         else:
             hit, old_tokens, table_len, revive = (), seq.num_tokens, len(seq.table), 0
         new_tokens = old_tokens + num_new_tokens
+        if new_tokens > len(token_ids):
+            raise ValueError(f"{new_tokens} slots asked for but only {len(token_ids)} token ids given")
         need = -(-(new_tokens + num_lookahead) // bs) - table_len
         # Appending into a partly filled block that others share: copy it first (copy-on-write).
         cow = (

@@ -1,0 +1,445 @@
+"""The engine: tokens in, tokens out. Drives the scheduler and the executor one step at a time.
+
+``Engine`` is synchronous (the offline ``LLM`` and tests); ``AsyncEngine`` runs the same step
+loop in a background thread and streams each request's outputs to an asyncio consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.cluster.block_manager import BlockManager
+from pagedserve.cluster.executor import Executor, InProcessExecutor
+from pagedserve.cluster.outputs import (
+    CompletionOutput,
+    IncrementalDetokenizer,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+    find_stop_string,
+)
+from pagedserve.cluster.request import Request, RequestStatus
+from pagedserve.cluster.scheduler import Scheduler, StepOutput, StepPlan
+from pagedserve.config import ConfigError, EngineConfig
+from pagedserve.sampling import SamplingParams
+from pagedserve.worker.loader import load_config, load_tokenizer, resolve_model
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class InvalidPrompt(ValueError):
+    """The prompt is empty or holds token ids outside the vocabulary."""
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_blocks: int
+    block_size: int
+    free_blocks: int
+    cached_blocks: int
+    kv_cache_usage: float
+    live_fraction: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    num_steps: int
+    step_time: dict[str, float] = field(default_factory=dict)  # seconds: schedule, model, sample, other
+
+
+def eos_token_ids(tokenizer: Any, hf_config: Any) -> tuple[int, ...]:
+    """EOS ids from the tokenizer and the model config (Llama 3 lists several)."""
+    ids: set[int] = set()
+    for source in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(i) for i in source)
+    return tuple(sorted(ids))
+
+
+class Engine:
+    """Continuous-batching engine over one executor (one tensor-parallel group)."""
+
+    def __init__(self, config: EngineConfig | None = None, *, executor: Executor | None = None,
+                 **flags: Any) -> None:  # fmt: skip
+        config = config or EngineConfig.from_flags(**flags)
+        self.config = config
+        mc, cc, sc = config.model, config.cache, config.scheduler
+        self.model_path = str(resolve_model(mc.model))
+        self.model_name = mc.served_model_name or (mc.model or "SmolLM2-135M-Instruct")
+        self.tokenizer = load_tokenizer(mc.tokenizer or self.model_path)
+        hf_config = load_config(self.model_path)
+        self.hf_config = hf_config
+        self.eos_token_ids = eos_token_ids(self.tokenizer, hf_config)
+        self.vocab_size = hf_config.vocab_size
+        self.max_model_len = mc.max_model_len or hf_config.max_position_embeddings
+        self.executor = executor or InProcessExecutor(
+            self.model_path, dtype=mc.dtype, seed=mc.seed, eos_token_ids=self.eos_token_ids
+        )
+        num_blocks, num_host = self.executor.determine_num_blocks(cc, sc.max_num_batched_tokens)
+        if sc.preemption_mode != "swap":
+            num_host = 0  # the host pool only serves swapping
+        if num_blocks * cc.block_size < self.max_model_len:
+            raise ConfigError(
+                f"the KV pool holds {num_blocks * cc.block_size} tokens, fewer than --max-model-len "
+                f"{self.max_model_len}: lower --max-model-len or give the cache more memory"
+            )
+        self.executor.init_kv_pool(num_blocks, cc.block_size, num_host)
+        self.block_manager = BlockManager(
+            num_blocks, cc.block_size, num_host_blocks=num_host, enable_prefix_caching=cc.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(sc, self.block_manager, self.max_model_len)
+        self._groups: dict[str, Request] = {}  # request id -> its first sample (holds the others)
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._prompts: dict[str, str | None] = {}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.num_steps = 0
+        self._time = {"schedule": 0.0, "model": 0.0, "sample": 0.0, "other": 0.0}
+        logger.info(
+            "KV pool: %d blocks of %d tokens = %d tokens; max concurrency at max_model_len %d: %.1f",
+            num_blocks, cc.block_size, num_blocks * cc.block_size, self.max_model_len,
+            num_blocks * cc.block_size / self.max_model_len,
+        )  # fmt: skip
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def tokenize(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return list(prompt["prompt_token_ids"]), prompt.get("prompt")
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt).input_ids, prompt
+        return list(prompt), None
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Queue a request. Raises InvalidPrompt or RequestTooLong (never queues what cannot run)."""
+        params = params or SamplingParams()
+        token_ids, text = self.tokenize(prompt)
+        if not token_ids:
+            raise InvalidPrompt("the prompt is empty")
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
+            raise InvalidPrompt(f"prompt token ids must be in [0, {self.vocab_size})")
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        room = self.max_model_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, max(room, 1))
+        req = Request(
+            request_id, token_ids, params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
+            priority=priority, arrival_time=arrival_time, extra_keys=(cache_salt,) if cache_salt else (),
+        )  # fmt: skip
+        self.scheduler.add_request(req)
+        self._groups[request_id] = req
+        self._prompts[request_id] = text
+        return req
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request and all its samples now; its blocks return to the pool."""
+        root = self._groups.get(request_id)
+        if root is None:
+            return None
+        for sample in root.samples:
+            self.scheduler.finish_request(sample, RequestStatus.FINISHED_ABORTED)
+        return self._finish_group(root)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute, and turn sampled tokens into outputs of the requests that advanced."""
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if plan.seqs or plan.swap_out or plan.swap_in or plan.copies or plan.finished:
+            result = self.executor.execute(plan)
+        else:
+            result = StepOutput([])
+        t2 = time.perf_counter()
+        outputs = self._update(plan, result)
+        t3 = time.perf_counter()
+        self.num_steps += 1
+        prepare, model, sample = result.timings or (0.0, 0.0, 0.0)
+        self._time["schedule"] += (t1 - t0) + (t3 - t2)
+        self._time["model"] += model
+        self._time["sample"] += sample
+        self._time["other"] += (t2 - t1) - model - sample
+        return outputs
+
+    def _update(self, plan: StepPlan, result: StepOutput) -> list[RequestOutput]:
+        requests = self.scheduler.requests
+        for s in plan.seqs:
+            if s.fork_ids and s.req_id in requests:
+                self.scheduler.add_forks(requests[s.req_id], s.fork_ids)
+        for req_id, entries in result.prompt_logprobs.items():
+            req = requests.get(req_id)
+            if req is not None and req.prompt_logprobs is not None:
+                req.prompt_logprobs.extend({e[0]: Logprob(e[1], e[2])} | _top(e[3], e[4]) for e in entries)
+        touched: dict[str, Request] = {}
+        now = time.monotonic()
+        for tok in result.sampled:
+            req = requests.get(tok.req_id)
+            if req is None:  # aborted while its step ran
+                continue
+            if not req.output_token_ids and req.parent is None:
+                self.prompt_tokens += req.num_prompt_tokens
+            req.append_token(tok.token_id)
+            self.generation_tokens += 1
+            req.first_token_time = req.first_token_time or now
+            req.last_token_time = now
+            if req.logprobs is not None:
+                req.logprobs.append({tok.token_id: Logprob(tok.logprob, tok.rank)} | _top(tok.top_ids,
+                                                                                          tok.top_logprobs))
+                req.cumulative_logprob += tok.logprob
+            status = self._check_stop(req, tok.token_id)
+            if status is not None:
+                self.scheduler.finish_request(req, status)
+            root = req.parent or req
+            touched[root.request_id] = root
+        outputs = []
+        for root in touched.values():
+            if all(s.is_finished for s in root.samples):
+                outputs.append(self._finish_group(root))
+            else:
+                outputs.append(self._output(root))
+        return outputs
+
+    def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
+        params = req.params
+        num_out = len(req.output_token_ids)
+        detok = self._detok.get(req.request_id)
+        if detok is None:
+            detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens)
+            self._detok[req.request_id] = detok
+        delta = detok.add(token_id)
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token_id in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                req.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+            if params.stop and delta:
+                hit = find_stop_string(detok.text, len(delta), params.stop)
+                if hit is not None:
+                    stop, idx = hit
+                    detok.text = detok.text[: idx + len(stop) if params.include_stop_str_in_output else idx]
+                    req.stop_reason = stop
+                    return RequestStatus.FINISHED_STOPPED
+        if num_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _output(self, root: Request) -> RequestOutput:
+        outs = []
+        for i, sample in enumerate(root.samples):
+            detok = self._detok.get(sample.request_id)
+            finish = sample.status.value if sample.is_finished else None
+            outs.append(CompletionOutput(
+                i, detok.text if detok else "", list(sample.output_token_ids),
+                sample.cumulative_logprob if sample.logprobs is not None else None,
+                sample.logprobs, finish, sample.stop_reason,
+            ))  # fmt: skip
+        metrics = RequestMetrics(
+            root.arrival_time, root.scheduled_time, root.first_token_time, root.last_token_time,
+            time.monotonic() if all(s.is_finished for s in root.samples) else None,
+        )  # fmt: skip
+        return RequestOutput(
+            root.request_id, self._prompts.get(root.request_id), root.prompt_token_ids, outs,
+            finished=metrics.finished_time is not None, prompt_logprobs=root.prompt_logprobs,
+            num_cached_tokens=root.num_cached_tokens, metrics=metrics, error=root.error,
+        )  # fmt: skip
+
+    def _finish_group(self, root: Request) -> RequestOutput:
+        out = self._output(root)
+        self._groups.pop(root.request_id, None)
+        self._prompts.pop(root.request_id, None)
+        for sample in root.samples:
+            self._detok.pop(sample.request_id, None)
+        return out
+
+    # ---- figures -------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        kv = self.block_manager.stats()
+        sched = self.scheduler
+        return EngineStats(
+            num_running=len(sched.running), num_waiting=len(sched.waiting), num_swapped=len(sched.swapped),
+            num_blocks=kv.num_blocks, block_size=kv.block_size, free_blocks=kv.free_blocks,
+            cached_blocks=kv.cached_blocks, kv_cache_usage=kv.usage, live_fraction=kv.live_fraction,
+            prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
+            num_preemptions=sched.num_preemptions, prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens, num_steps=self.num_steps, step_time=dict(self._time),
+        )  # fmt: skip
+
+    def take_kv_events(self) -> list[tuple[str, list[int]]]:
+        return self.block_manager.take_events()
+
+
+def _top(ids: list[int] | None, values: list[float] | None) -> dict[int, Logprob]:
+    if not ids:
+        return {}
+    return {t: Logprob(v, r) for r, (t, v) in enumerate(zip(ids, values), start=1)}
+
+
+class AsyncEngine:
+    """The engine's step loop in a background thread, with asyncio streams of outputs.
+
+    Requests and aborts are queued to the loop thread (the engine is touched by that thread only),
+    so an HTTP server's event loop never waits on a model step.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, **flags: Any) -> None:
+        self.engine = Engine(config, **flags)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stopped = False
+        self._stats = self.engine.stats()
+        self._kv_events: list[tuple[str, list[int]]] = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[RequestOutput]:  # fmt: skip
+        """Yield the request's cumulative output each step it advances; the last has finished=True.
+
+        Leaving the iterator early (a client disconnect) aborts the request and frees its blocks.
+        """
+        request_id = request_id or uuid.uuid4().hex
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._commands.put(("add", request_id, prompt, params, kwargs))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        """The figures as of the last step (read without stopping the loop)."""
+        return self._stats
+
+    def take_kv_events(self) -> list[tuple[str, list[int]]]:
+        with self._lock:
+            events, self._kv_events = self._kv_events, []
+        return events
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, request_id, prompt, params, kwargs = cmd
+                if request_id not in self._streams:
+                    continue  # the caller already left
+                try:
+                    self.engine.add_request(request_id, prompt, params, **kwargs)
+                except Exception as exc:  # reported to the caller, never kills the loop
+                    self._deliver(request_id, exc)
+            else:
+                out = self.engine.abort_request(cmd[1])
+                if out is not None:
+                    self._deliver(cmd[1], out)
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopped:
+            self._apply_commands()
+            if not engine.has_unfinished_requests():
+                self._publish()
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # a step failure fails the running requests, not the replica
+                logger.exception("engine step failed")
+                for request_id in list(engine._groups):
+                    engine.abort_request(request_id)
+                    self._deliver(request_id, RuntimeError(f"engine step failed: {exc}"))
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)
+            self._publish()
+
+    def _publish(self) -> None:
+        self._stats = self.engine.stats()
+        events = self.engine.take_kv_events()
+        if events:
+            with self._lock:
+                self._kv_events.extend(events)
+
+
+def run_to_completion(engine: Engine, request_ids: Sequence[str]) -> dict[str, RequestOutput]:
+    """Step until every named request finishes; their final outputs by id."""
+    pending = set(request_ids)
+    finals: dict[str, RequestOutput] = {}
+    while pending and engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished and out.request_id in pending:
+                finals[out.request_id] = out
+                pending.discard(out.request_id)
+    if pending:
+        raise RuntimeError(f"requests {sorted(pending)[:5]} never finished")
+    return finals

@@ -1,0 +1,147 @@
+"""Engine and server configuration: a few dataclasses, validated where they are made.
+
+Field names are vLLM's flags (``--block-size`` is ``CacheConfig.block_size``); ``from_flags``
+is the one place that turns CLI flags or a YAML/dict into them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+PREEMPTION_MODES = ("recompute", "swap")
+ROUTING_POLICIES = ("prefix", "pow2", "round_robin")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range; the message names the flag."""
+
+
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    model: str | None = None  # HF folder, GGUF file, or None for the default SmolLM2-135M-Instruct
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    seed: int = 0
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in DTYPES, f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.max_model_len is None or self.max_model_len > 0, "--max-model-len must be positive")
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None  # bytes of KV pool on CPU (and on GPU if set); None: a default
+    num_gpu_blocks_override: int | None = None
+    swap_space: float = 1.0  # GiB of host memory per worker for swapped-out blocks
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "--block-size must be a power of 2 <= 128")
+        _require(0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]")
+        _require(self.kv_cache_memory is None or self.kv_cache_memory > 0, "--kv-cache-memory must be positive")
+        _require(
+            self.num_gpu_blocks_override is None or self.num_gpu_blocks_override > 0,
+            "--num-gpu-blocks-override must be positive",
+        )
+        _require(self.swap_space >= 0, "--swap-space must be >= 0")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"
+    scheduling_policy: str = "fcfs"  # or "priority": lower value first, then arrival
+    watermark: float = 0.01  # fraction of blocks kept free at admission, against preemption thrash
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs > 0, "--max-num-seqs must be positive")
+        _require(self.max_num_batched_tokens > 0, "--max-num-batched-tokens must be positive")
+        _require(self.preemption_mode in PREEMPTION_MODES, f"--preemption-mode must be one of {PREEMPTION_MODES}")
+        _require(self.scheduling_policy in ("fcfs", "priority"), "--scheduling-policy must be fcfs or priority")
+        _require(0 <= self.watermark < 1, "--watermark must be in [0, 1)")
+
+
+@dataclass(slots=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None: in-process for tp=1, "ray" above
+
+    def __post_init__(self) -> None:
+        _require(self.tensor_parallel_size >= 1, "--tensor-parallel-size must be >= 1")
+        # Tensor parallelism over Ray worker actors arrives with its own issue.
+        _require(
+            self.tensor_parallel_size == 1,
+            f"--tensor-parallel-size {self.tensor_parallel_size} is not supported yet; use 1",
+        )
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        if self.model.max_model_len is not None and not self.scheduler.enable_chunked_prefill:
+            _require(
+                self.scheduler.max_num_batched_tokens >= self.model.max_model_len,
+                "--max-num-batched-tokens must be >= --max-model-len without chunked prefill",
+            )
+
+    @classmethod
+    def from_flags(cls, **flags: Any) -> EngineConfig:
+        """Build from flat vLLM-named options (CLI flags, YAML, LLM(...) kwargs); unknown names fail."""
+        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "parallel": {}}
+        owners = {
+            "model": ModelConfig,
+            "cache": CacheConfig,
+            "scheduler": SchedulerConfig,
+            "parallel": ParallelConfig,
+        }
+        names = {f.name: part for part, klass in owners.items() for f in fields(klass)}
+        for key, value in flags.items():
+            key = key.replace("-", "_")
+            if key not in names:
+                raise ConfigError(f"unknown engine option {key!r}")
+            if value is not None or key in ("model", "max_model_len"):
+                parts[names[key]][key] = value
+        return cls(**{part: owners[part](**kw) for part, kw in parts.items()})
+
+    def to_flags(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for part in (self.model, self.cache, self.scheduler, self.parallel):
+            out.update(asdict(part))
+        return out
+
+
+@dataclass(slots=True)
+class ServeConfig:
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 8000
+    num_replicas: int = 1
+    routing: str = "prefix"
+    api_key: str | None = None
+    admin_token: str | None = None
+    address: str | None = None  # RAY_ADDRESS to join; None starts a private local Ray
+    max_waiting_requests: int = 256  # per replica; past it, 503 with Retry-After
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        _require(0 < self.port < 65536, "--port must be in 1..65535")
+        _require(self.num_replicas >= 1, "--num-replicas must be >= 1")
+        _require(self.routing in ROUTING_POLICIES, f"--routing must be one of {ROUTING_POLICIES}")
+        _require(self.max_waiting_requests >= 1, "--max-waiting-requests must be >= 1")

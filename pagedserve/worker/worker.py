@@ -1,0 +1,265 @@
+"""One tensor-parallel rank: its model shard, its shard of the KV pool, and ``execute(plan)``.
+
+The worker keeps, per request, the block table the scheduler sent (as deltas) and its sampling
+state (params, generator, tokens so far for penalties). It never decides allocation: each plan
+says which blocks to swap, copy and write. Rank 0 samples and returns the tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from itertools import chain
+
+import msgpack
+import numpy as np
+import torch
+
+from pagedserve.cluster.request import sample_params
+from pagedserve.cluster.scheduler import SampledToken, ScheduledSeq, StepOutput, StepPlan
+from pagedserve.config import CacheConfig
+from pagedserve.sampling import (
+    Sampler,
+    SamplingBatch,
+    SamplingParams,
+    SamplingRow,
+    compute_prompt_logprobs,
+    make_generator,
+)
+from pagedserve.worker.kv_pool import KVPool, bytes_per_block, host_memory, num_kv_heads_per_rank
+from pagedserve.worker.layers import AttentionMetadata
+from pagedserve.worker.loader import load_model
+from pagedserve.worker.models.llama import head_dim_of
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB: ~1,450 blocks of 16 tokens for SmolLM2-135M in fp32
+
+
+@dataclass(slots=True)
+class _SeqState:
+    table: list[int]
+    row: SamplingRow
+    prompt_scored: int = 0  # prompt positions whose next-token logprob was already returned
+    outputs: list[int] = field(default_factory=list)
+
+
+class Worker:
+    """The model and KV pool of one rank; executes StepPlans."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "auto",
+        device: str | None = None,
+        seed: int = 0,
+        eos_token_ids: tuple[int, ...] = (),
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        torch.manual_seed(seed)
+        self.model, self.hf_config = load_model(
+            model_path, dtype=dtype, device=self.device, tp_rank=tp_rank, tp_size=tp_size
+        )
+        self.dtype = next(self.model.parameters()).dtype
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
+        self.states: dict[str, _SeqState] = {}
+        self.pool: KVPool | None = None
+        self.block_size = 0
+
+    # ---- the KV pool ---------------------------------------------------------------------
+
+    def bytes_per_block(self, block_size: int) -> int:
+        cfg = self.hf_config
+        heads = num_kv_heads_per_rank(cfg.num_key_value_heads, self.tp_size)
+        return bytes_per_block(cfg.num_hidden_layers, block_size, heads, head_dim_of(cfg), self.dtype)
+
+    def determine_num_blocks(self, cache: CacheConfig, max_num_batched_tokens: int) -> tuple[int, int]:
+        """(device blocks, host blocks) this rank can hold, sized as vLLM does.
+
+        GPU: free memory x gpu_memory_utilization after one profiling forward pass of
+        ``max_num_batched_tokens`` tokens (activations peak), unless overridden. CPU: the
+        ``kv_cache_memory`` bytes (1 GiB by default).
+        """
+        per_block = self.bytes_per_block(cache.block_size)
+        num_host = int(cache.swap_space * (1 << 30)) // per_block
+        if cache.num_gpu_blocks_override:
+            return cache.num_gpu_blocks_override, num_host
+        if cache.kv_cache_memory is not None or self.device.type != "cuda":
+            budget = cache.kv_cache_memory or min(CPU_DEFAULT_KV_BYTES, host_memory()[0] // 4)
+            return max(1, budget // per_block), num_host
+        return max(1, self._profile_gpu_kv_bytes(cache, max_num_batched_tokens) // per_block), num_host
+
+    @torch.inference_mode()
+    def _profile_gpu_kv_bytes(self, cache: CacheConfig, num_tokens: int) -> int:
+        bs = cache.block_size
+        probe = KVPool.for_model(
+            self.hf_config, num_blocks=-(-num_tokens // bs), block_size=bs, dtype=self.dtype,
+            device=self.device, tp_size=self.tp_size,
+        )  # fmt: skip
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        meta = _metadata(
+            [ScheduledSeq("profile", [0] * num_tokens, 0, 0, [], True)],
+            [list(range(probe.num_blocks))], bs, self.device,
+        )  # fmt: skip
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, meta.positions, meta.attn, probe.kv_caches)
+        self.model.compute_logits(hidden[-1:])
+        torch.cuda.synchronize()
+        activations = torch.cuda.max_memory_allocated() - before
+        del probe, hidden
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        used = total - free
+        budget = int(total * cache.gpu_memory_utilization) - used - activations
+        logger.info("profiled %d tokens: activations %.2f GiB; KV budget %.2f GiB",
+                    num_tokens, activations / 2**30, budget / 2**30)  # fmt: skip
+        if budget <= 0:
+            raise RuntimeError("no GPU memory left for the KV cache: raise --gpu-memory-utilization")
+        return budget
+
+    def init_kv_pool(self, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
+        self.pool = KVPool.for_model(
+            self.hf_config, num_blocks=num_blocks, block_size=block_size, dtype=self.dtype,
+            device=self.device, tp_size=self.tp_size, num_host_blocks=num_host_blocks,
+        )  # fmt: skip
+        self.block_size = block_size
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def execute_wire(self, plan: bytes) -> bytes:
+        """The Ray entry point: a msgpack StepPlan in, a msgpack StepOutput out (never pickle)."""
+        out = self.execute(StepPlan.from_wire(msgpack.unpackb(plan, strict_map_key=False)))
+        return msgpack.packb(out.to_wire())
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepOutput:
+        pool = self.pool
+        assert pool is not None, "init_kv_pool first"
+        # Order matters: blocks swapped out or copied from may be rewritten by this step's tokens.
+        pool.swap_out(plan.swap_out)
+        pool.swap_in(plan.swap_in)
+        pool.copy_blocks(plan.copies)
+        for req_id in plan.finished:
+            self.states.pop(req_id, None)
+        if not plan.seqs:
+            return StepOutput([])
+        t0 = time.perf_counter()
+        tables = [self._update_state(s) for s in plan.seqs]
+        meta = _metadata(plan.seqs, tables, self.block_size, self.device)
+        input_ids = torch.tensor(list(chain.from_iterable(s.token_ids for s in plan.seqs)), device=self.device)
+        t1 = time.perf_counter()
+        hidden = self.model(input_ids, meta.positions, meta.attn, pool.kv_caches)
+        output = StepOutput([])
+        ends = meta.query_end.tolist()
+        self._prompt_logprobs(plan.seqs, hidden, ends, output)
+        t2 = time.perf_counter()
+        if self.tp_rank == 0:
+            self._sample(plan.seqs, hidden, ends, output)
+        output.timings = [t1 - t0, t2 - t1, time.perf_counter() - t2]
+        return output
+
+    def _update_state(self, s: ScheduledSeq) -> list[int]:
+        state = self.states.get(s.req_id)
+        if state is None:
+            assert s.new is not None, f"first sight of {s.req_id} without its prompt"
+            params = SamplingParams.from_dict(s.new["params"])
+            gen = make_generator(params.seed, self.device) if params.seed is not None else None
+            outputs: list[int] = []
+            row = SamplingRow(params, s.new["prompt_token_ids"], outputs, gen)
+            state = self.states[s.req_id] = _SeqState([], row, outputs=outputs)
+        del state.table[s.table_start :]
+        state.table.extend(s.new_blocks)
+        return state.table
+
+    def _prompt_logprobs(self, seqs: list[ScheduledSeq], hidden: torch.Tensor, ends: list[int],
+                         output: StepOutput) -> None:  # fmt: skip
+        for s, end in zip(seqs, ends):
+            state = self.states[s.req_id]
+            k = state.row.params.prompt_logprobs
+            prompt = state.row.prompt_token_ids
+            if k is None or state.prompt_scored >= len(prompt) - 1:
+                continue
+            # positions [first, last) of this chunk predict prompt tokens first+1 .. last
+            first = max(s.start_pos, state.prompt_scored)
+            last = min(s.start_pos + len(s.token_ids), len(prompt) - 1)
+            if last <= first:
+                continue
+            begin = end - len(s.token_ids) + (first - s.start_pos)
+            logits = self.model.compute_logits(hidden[begin : begin + last - first])
+            entries = compute_prompt_logprobs(logits, prompt[first : last + 1], k)[1:]
+            output.prompt_logprobs[s.req_id] = [
+                [e.token_id, e.logprob, e.rank, e.top_token_ids, e.top_logprobs] for e in entries
+            ]
+            state.prompt_scored = last
+
+    def _sample(self, seqs: list[ScheduledSeq], hidden: torch.Tensor, ends: list[int],
+                output: StepOutput) -> None:  # fmt: skip
+        rows: list[SamplingRow] = []
+        row_ids: list[str] = []
+        hidden_rows: list[int] = []
+        for s, end in zip(seqs, ends):
+            if not s.sample:
+                continue
+            state = self.states[s.req_id]
+            for k, fork_id in enumerate([s.req_id, *s.fork_ids]):
+                if k:  # a parallel sample: same prompt and blocks, its own params and generator
+                    params = sample_params(state.row.params, k)
+                    gen = make_generator(params.seed, self.device) if params.seed is not None else None
+                    outputs: list[int] = []
+                    row = SamplingRow(params, state.row.prompt_token_ids, outputs, gen)
+                    self.states[fork_id] = _SeqState(list(state.table), row, state.prompt_scored, outputs)
+                rows.append(self.states[fork_id].row)
+                row_ids.append(fork_id)
+                hidden_rows.append(end - 1)
+        if not rows:
+            return
+        logits = self.model.compute_logits(hidden[torch.tensor(hidden_rows, device=hidden.device)])
+        result = self.sampler(logits, SamplingBatch.from_rows(rows, self.eos_token_ids, self.device))
+        for i, (req_id, row) in enumerate(zip(row_ids, rows)):
+            token = result.sampled_token_ids[i]
+            row.output_token_ids.append(token)
+            output.sampled.append(
+                SampledToken(req_id, token, result.logprobs[i], result.ranks[i], result.top_token_ids[i],
+                             result.top_logprobs[i])
+            )  # fmt: skip
+
+
+@dataclass(slots=True)
+class _StepMeta:
+    positions: torch.Tensor
+    attn: AttentionMetadata
+    query_end: np.ndarray
+
+
+def _metadata(seqs: list[ScheduledSeq], tables: list[list[int]], block_size: int,
+              device: torch.device) -> _StepMeta:  # fmt: skip
+    """Positions, slot mapping and block tables of one step, vectorized over the tokens."""
+    num_seqs = len(seqs)
+    q_lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=num_seqs)
+    starts = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=num_seqs)
+    qsl = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=qsl[1:])
+    block_tables = np.zeros((num_seqs, max(len(t) for t in tables)), dtype=np.int64)
+    for i, t in enumerate(tables):
+        block_tables[i, : len(t)] = t
+    seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
+    positions = np.arange(int(qsl[-1])) - qsl[:-1][seq_of_token] + starts[seq_of_token]
+    slots = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    seq_lens = starts + q_lens
+    attn = AttentionMetadata(
+        slot_mapping=torch.from_numpy(slots).to(device),
+        block_tables=torch.from_numpy(block_tables.astype(np.int32)).to(device),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+        query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(device),
+        max_query_len=int(q_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+    )
+    return _StepMeta(torch.from_numpy(positions).to(device), attn, qsl[1:])
