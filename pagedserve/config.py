@@ -49,7 +49,9 @@ class CacheConfig:
     def __post_init__(self) -> None:
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "--block-size must be a power of 2 <= 128")
         _require(0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]")
-        _require(self.kv_cache_memory is None or self.kv_cache_memory > 0, "--kv-cache-memory must be positive")
+        _require(
+            self.kv_cache_memory is None or self.kv_cache_memory > 0, "--kv-cache-memory must be positive"
+        )
         _require(
             self.num_gpu_blocks_override is None or self.num_gpu_blocks_override > 0,
             "--num-gpu-blocks-override must be positive",
@@ -69,8 +71,12 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         _require(self.max_num_seqs > 0, "--max-num-seqs must be positive")
         _require(self.max_num_batched_tokens > 0, "--max-num-batched-tokens must be positive")
-        _require(self.preemption_mode in PREEMPTION_MODES, f"--preemption-mode must be one of {PREEMPTION_MODES}")
-        _require(self.scheduling_policy in ("fcfs", "priority"), "--scheduling-policy must be fcfs or priority")
+        _require(
+            self.preemption_mode in PREEMPTION_MODES, f"--preemption-mode must be one of {PREEMPTION_MODES}"
+        )
+        _require(
+            self.scheduling_policy in ("fcfs", "priority"), "--scheduling-policy must be fcfs or priority"
+        )
         _require(0 <= self.watermark < 1, "--watermark must be in [0, 1)")
 
 

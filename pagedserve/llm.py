@@ -90,10 +90,9 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
         prompts = [
-            {"prompt_token_ids": _as_ids(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
-                                                                 tokenize=True))}
+            {"prompt_token_ids": _as_ids(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt))}
             for c in conversations
-        ]  # fmt: skip
+        ]
         return self.generate(prompts, sampling_params, **kwargs)
 
     def stats(self) -> EngineStats:

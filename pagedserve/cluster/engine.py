@@ -101,7 +101,10 @@ class Engine:
             )
         self.executor.init_kv_pool(num_blocks, cc.block_size, num_host)
         self.block_manager = BlockManager(
-            num_blocks, cc.block_size, num_host_blocks=num_host, enable_prefix_caching=cc.enable_prefix_caching
+            num_blocks,
+            cc.block_size,
+            num_host_blocks=num_host,
+            enable_prefix_caching=cc.enable_prefix_caching,
         )
         self.scheduler = Scheduler(sc, self.block_manager, self.max_model_len)
         self._groups: dict[str, Request] = {}  # request id -> its first sample (holds the others)
@@ -214,8 +217,9 @@ class Engine:
             req.first_token_time = req.first_token_time or now
             req.last_token_time = now
             if req.logprobs is not None:
-                req.logprobs.append({tok.token_id: Logprob(tok.logprob, tok.rank)} | _top(tok.top_ids,
-                                                                                          tok.top_logprobs))
+                req.logprobs.append(
+                    {tok.token_id: Logprob(tok.logprob, tok.rank)} | _top(tok.top_ids, tok.top_logprobs)
+                )
                 req.cumulative_logprob += tok.logprob
             status = self._check_stop(req, tok.token_id)
             if status is not None:

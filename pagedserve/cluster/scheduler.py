@@ -90,7 +90,8 @@ class Scheduler:
             # Keep waiting sorted by (priority, arrival); insertion is rare next to steps.
             key = (req.priority, req.arrival_time)
             idx = next(
-                (i for i, r in enumerate(self.waiting) if (r.priority, r.arrival_time) > key), len(self.waiting)
+                (i for i, r in enumerate(self.waiting) if (r.priority, r.arrival_time) > key),
+                len(self.waiting),
             )
             self.waiting.insert(idx, req)
         else:

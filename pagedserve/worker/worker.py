@@ -154,7 +154,9 @@ class Worker:
         t0 = time.perf_counter()
         tables = [self._update_state(s) for s in plan.seqs]
         meta = _metadata(plan.seqs, tables, self.block_size, self.device)
-        input_ids = torch.tensor(list(chain.from_iterable(s.token_ids for s in plan.seqs)), device=self.device)
+        input_ids = torch.tensor(
+            list(chain.from_iterable(s.token_ids for s in plan.seqs)), device=self.device
+        )
         t1 = time.perf_counter()
         hidden = self.model(input_ids, meta.positions, meta.attn, pool.kv_caches)
         output = StepOutput([])
