@@ -1,0 +1,342 @@
+"""Tensor-parallel building blocks of a decoder over paged attention.
+
+Every layer is written for rank `tp_rank` of `tp_size` (Megatron-style): column-parallel layers
+split their output features, row-parallel layers split their input features and all-reduce the
+partial sums, the vocabulary is split into contiguous ranges. With tp_size 1 no collective runs.
+Collectives use torch.distributed's default process group, which the worker sets up.
+
+Each parameter carries a `weight_loader(param, loaded[, shard_id])` that copies this rank's shard
+of a full checkpoint tensor into it. `loaded` is a torch Tensor or a lazy safetensors slice (which
+reads only the indexed rows/columns), so a rank never materializes the whole tensor it shards.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pagedserve import kernels
+
+
+def loaded_shape(loaded: Any) -> tuple[int, ...]:
+    """Shape of a checkpoint tensor, whether a Tensor or a lazy safetensors slice."""
+    return tuple(loaded.shape) if isinstance(loaded, Tensor) else tuple(loaded.get_shape())
+
+
+def narrow_loaded(loaded: Any, dim: int, start: int, size: int) -> Tensor:
+    """Rows/columns start:start+size along `dim` of a checkpoint tensor, reading only those."""
+    if isinstance(loaded, Tensor):
+        return loaded.narrow(dim, start, size)
+    index = [slice(None)] * len(loaded_shape(loaded))
+    index[dim] = slice(start, start + size)
+    return loaded[tuple(index)]
+
+
+def full_loaded(loaded: Any) -> Tensor:
+    """The whole checkpoint tensor as a Tensor."""
+    return loaded if isinstance(loaded, Tensor) else loaded[:]
+
+
+def default_weight_loader(param: Tensor, loaded: Any) -> None:
+    """Copy an unsharded checkpoint tensor into `param` (shapes must match)."""
+    if loaded_shape(loaded) != tuple(param.shape):
+        raise ValueError(f"checkpoint shape {loaded_shape(loaded)} != parameter shape {tuple(param.shape)}")
+    param.copy_(full_loaded(loaded))
+
+
+def _parameter(*shape: int, loader: Any = default_weight_loader) -> nn.Parameter:
+    # empty: every value is overwritten by load_weights, and fresh memory is slow to fill
+    param = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    param.weight_loader = loader
+    return param
+
+
+def _all_reduce(x: Tensor, tp_size: int) -> Tensor:
+    if tp_size > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def _all_gather_last(x: Tensor, tp_size: int) -> Tensor:
+    if tp_size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(tp_size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size ({d})")
+    return n // d
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output features split over ranks; each rank returns its slice,
+    or (gather_output) the full output gathered from all ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, *, gather_output: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size, self.gather_output = tp_rank, tp_size, gather_output
+        self.output_size_per_partition = _divide(output_size, tp_size, "output features")
+        self.weight = _parameter(self.output_size_per_partition, input_size, loader=self.weight_loader)
+        self.bias = _parameter(self.output_size_per_partition, loader=self.weight_loader) if bias else None
+
+    def weight_loader(self, param: Tensor, loaded: Any) -> None:
+        size = param.shape[0]
+        param.copy_(narrow_loaded(loaded, 0, self.tp_rank * size, size))
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return _all_gather_last(y, self.tp_size) if self.gather_output else y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input in one matmul (gate and up of a gated MLP).
+
+    Rank r holds, for each projection i, its rank-r slice, laid out one after the other; checkpoint
+    tensor i is loaded with shard_id i.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, *,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias, tp_rank=tp_rank, tp_size=tp_size)
+
+    def weight_loader(self, param: Tensor, loaded: Any, shard_id: int | None = None) -> None:
+        if shard_id is None:
+            raise ValueError("a merged projection loads one checkpoint tensor per shard_id")
+        size = _divide(self.output_sizes[shard_id], self.tp_size, "projection size")
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        param.narrow(0, offset, size).copy_(narrow_loaded(loaded, 0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The q, k and v projections in one matmul, split by attention heads.
+
+    Each rank keeps num_heads / tp query heads. KV heads are split the same way while tp <= the
+    number of KV heads; beyond that each KV head is replicated on tp / num_kv_heads ranks, so
+    every rank holds exactly the KV heads its query heads read. Output: [q | k | v] of this rank.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
+                 bias: bool = False, *, tp_rank: int = 0, tp_size: int = 1) -> None:
+        self.head_dim = head_dim
+        self.num_heads = _divide(total_num_heads, tp_size, "attention heads")
+        if tp_size >= total_num_kv_heads:
+            _divide(tp_size, total_num_kv_heads, "KV heads replicated")  # tp must be a multiple
+            self.num_kv_heads = 1
+            self.kv_head_start = tp_rank * total_num_kv_heads // tp_size
+        else:
+            self.num_kv_heads = _divide(total_num_kv_heads, tp_size, "KV heads")
+            self.kv_head_start = tp_rank * self.num_kv_heads
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        output = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, output, bias, tp_rank=tp_rank, tp_size=tp_size)
+
+    def weight_loader(self, param: Tensor, loaded: Any, shard_id: str | None = None) -> None:
+        if shard_id == "q":
+            offset, size, start = 0, self.q_size, self.tp_rank * self.q_size
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            size, start = self.kv_size, self.kv_head_start * self.head_dim
+        else:
+            raise ValueError(f"QKV shard_id must be 'q', 'k' or 'v', not {shard_id!r}")
+        param.narrow(0, offset, size).copy_(narrow_loaded(loaded, 0, start, size))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's input features split over ranks: x is this rank's slice of the input
+    (a column-parallel layer's output); partial products are summed over ranks (all_reduce)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, *, reduce_results: bool = True,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size, self.reduce_results = tp_rank, tp_size, reduce_results
+        self.input_size_per_partition = _divide(input_size, tp_size, "input features")
+        self.weight = _parameter(output_size, self.input_size_per_partition, loader=self.weight_loader)
+        self.bias = _parameter(output_size) if bias else None
+
+    def weight_loader(self, param: Tensor, loaded: Any) -> None:
+        size = param.shape[1]
+        param.copy_(narrow_loaded(loaded, 1, self.tp_rank * size, size))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # the bias joins once, on rank 0, so the all_reduce adds it exactly once
+        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        return _all_reduce(y, self.tp_size) if self.reduce_results else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split into contiguous ranges of ceil(vocab / tp) rows.
+
+    Rows past the real vocabulary (padding of the last range) are zero. Each rank embeds the ids
+    in its range, zeros the rest, and the all_reduce assembles the full embeddings.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
+        super().__init__()
+        self.num_embeddings, self.tp_rank, self.tp_size = num_embeddings, tp_rank, tp_size
+        self.num_embeddings_per_partition = math.ceil(num_embeddings / tp_size)
+        self.vocab_start = tp_rank * self.num_embeddings_per_partition
+        self.vocab_end = min(self.vocab_start + self.num_embeddings_per_partition, num_embeddings)
+        self.weight = _parameter(self.num_embeddings_per_partition, embedding_dim, loader=self.weight_loader)
+
+    def weight_loader(self, param: Tensor, loaded: Any) -> None:
+        rows = max(0, self.vocab_end - self.vocab_start)
+        param.narrow(0, rows, param.shape[0] - rows).zero_()
+        if rows:
+            param.narrow(0, 0, rows).copy_(narrow_loaded(loaded, 0, self.vocab_start, rows))
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local = (input_ids - self.vocab_start).masked_fill(outside, 0)
+        y = F.embedding(local, self.weight).masked_fill(outside[:, None], 0)
+        return _all_reduce(y, self.tp_size)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection hidden -> vocabulary logits, vocabulary split like VocabParallelEmbedding
+    (so tied embeddings share one weight). forward gathers the full [N, vocab] logits on every rank."""
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        logits = _all_gather_last(F.linear(hidden, self.weight), self.tp_size)
+        return logits[..., : self.num_embeddings]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back, as Hugging Face's Llama does.
+
+    forward(x) returns norm(x). forward(x, residual) is the fused pre-norm step: it returns
+    (norm(x + residual), x + residual), the second being the next layer's residual.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _parameter(hidden_size)
+
+    def _norm(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+
+class SiluAndMul(nn.Module):
+    """silu(x[..., :d]) * x[..., d:] for x of last dimension 2d (the gated MLP activation)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def rope_inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None = None) -> Tensor:
+    """Inverse frequencies of rotary embedding (fp32 [head_dim / 2]).
+
+    scaling: None or rope_type "default" (plain RoPE), "linear" (positions / factor) or "llama3"
+    (Llama 3.1's frequency-dependent scaling: long wavelengths divided by `factor`, short ones
+    kept, a smooth blend between low_freq_factor and high_freq_factor).
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, blended, scaled)
+    raise ValueError(f"rope_type {rope_type!r} is not supported (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (GPT-NeoX layout: the two halves of each head rotate together),
+    with cos/sin for positions 0..max_position-1 precomputed in fp32 and gathered by position."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float,
+                 scaling: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq = rope_inv_freq(head_dim, base, scaling)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        # fp32 whatever the model dtype: positions up to 128k need the mantissa
+        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+
+    def forward(self, positions: Tensor, query: Tensor, key: Tensor) -> tuple[Tensor, Tensor]:
+        """Rotate query [T, Hq * D] and key [T, Hkv * D] (or [T, H, D]) of tokens at `positions` [T]."""
+        cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(shape[0], -1, self.head_dim)
+        x1, x2 = x.chunk(2, dim=-1)
+        cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).view(shape)
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens sit in the paged KV pool; shared by every attention layer.
+
+    slot_mapping: int64 [T], KV slot (block * block_size + offset) of each token, <0 = padding.
+    block_tables: int32 [B, max_blocks], physical blocks of each sequence in logical order.
+    seq_lens: int32 [B], KV length of each sequence including this step's tokens.
+    query_start_loc: int32 [B + 1], sequence b's tokens are rows query_start_loc[b]:[b + 1].
+    max_query_len, max_seq_len: host-side maxima of the query and KV lengths.
+    """
+
+    slot_mapping: Tensor
+    block_tables: Tensor
+    seq_lens: Tensor
+    query_start_loc: Tensor
+    max_query_len: int
+    max_seq_len: int
+
+
+class Attention(nn.Module):
+    """Paged attention of this rank's heads: store this step's K/V at their slots, then attend."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale, self.sliding_window = scale, sliding_window
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, Tensor],
+                meta: AttentionMetadata) -> Tensor:
+        """q [T, Hq * D], k and v [T, Hkv * D] -> attention output [T, Hq * D]."""
+        num_tokens = q.shape[0]
+        k_cache, v_cache = kv_cache
+        kernels.write_kv(k.view(num_tokens, self.num_kv_heads, self.head_dim),
+                         v.view(num_tokens, self.num_kv_heads, self.head_dim),
+                         k_cache, v_cache, meta.slot_mapping)
+        out = kernels.paged_attention(
+            q.view(num_tokens, self.num_heads, self.head_dim), k_cache, v_cache, meta.block_tables,
+            meta.seq_lens, meta.query_start_loc, scale=self.scale, sliding_window=self.sliding_window,
+            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+        )
+        return out.view(num_tokens, self.num_heads * self.head_dim)

@@ -1,0 +1,233 @@
+"""The Llama family over paged attention: Llama 2/3, Mistral, Qwen2, SmolLM2.
+
+One tensor-parallel rank of the decoder; the variants differ only in config fields:
+QKV bias (Qwen2, or `attention_bias`), sliding window (Mistral's `sliding_window`, Qwen2's
+per-layer `layer_types`), RoPE scaling (`rope_parameters`), tied embeddings, `head_dim`.
+Tokens of all sequences in a step are one flat batch [T]; the attention metadata says which
+rows belong to which sequence and where their KV lives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import PretrainedConfig
+
+from pagedserve.worker.layers import (
+    Attention,
+    AttentionMetadata,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+    default_weight_loader,
+)
+
+# Hugging Face parameter name piece -> (our merged parameter piece, shard id)
+_STACKED = (
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+)
+
+
+def rope_parameters(config: PretrainedConfig) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) from a transformers 5 `rope_parameters` dict or the
+    older `rope_theta` + `rope_scaling` fields."""
+    params = getattr(config, "rope_parameters", None)
+    if params and "rope_theta" in params:
+        return float(params["rope_theta"]), dict(params)
+    return float(getattr(config, "rope_theta", 10000.0)), getattr(config, "rope_scaling", None)
+
+
+def sliding_window_of(config: PretrainedConfig, layer_idx: int) -> int | None:
+    """The attention window of one layer: per `layer_types` when the config lists them (Qwen2),
+    else the config's `sliding_window` for every layer (Mistral), else none."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    return window
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    """Per-head size: the config's `head_dim` when set, else hidden_size / num_attention_heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, rotary_emb: RotaryEmbedding,
+                 tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        head_dim = head_dim_of(config)
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, head_dim, config.num_attention_heads, config.num_key_value_heads,
+            bias=attention_bias or config.model_type == "qwen2", tp_rank=tp_rank, tp_size=tp_size,
+        )
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
+                                        bias=attention_bias, tp_rank=tp_rank, tp_size=tp_size)
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim,
+                              scale=head_dim**-0.5, sliding_window=sliding_window_of(config, layer_idx))
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+
+    def forward(self, positions: Tensor, hidden: Tensor, kv_cache: tuple[Tensor, Tensor],
+                meta: AttentionMetadata) -> Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: PretrainedConfig, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+        bias = bool(getattr(config, "mlp_bias", False))
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias=bias,
+                                                       tp_rank=tp_rank, tp_size=tp_size)
+        self.act_fn = SiluAndMul()
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias,
+                                           tp_rank=tp_rank, tp_size=tp_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, rotary_emb: RotaryEmbedding,
+                 tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, rotary_emb, tp_rank, tp_size)
+        self.mlp = LlamaMLP(config, tp_rank, tp_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: Tensor, hidden: Tensor, residual: Tensor | None,
+                kv_cache: tuple[Tensor, Tensor], meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+        # the residual add is fused into the next norm: (hidden, residual) flow between layers
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                   tp_rank=tp_rank, tp_size=tp_size)
+        theta, scaling = rope_parameters(config)
+        # one cos/sin cache for all layers (a 128k-position cache is 64 MB)
+        rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, theta, scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, rotary_emb, tp_rank, tp_size)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[Tensor, Tensor]]) -> Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class LlamaForCausalLM(nn.Module):
+    """One tensor-parallel rank of a Llama-family causal LM over paged KV.
+
+    Parameters are created uninitialized in `dtype` on the current default device (build it under
+    `with torch.device(...)`); load_weights fills them. The RoPE cos/sin cache stays fp32.
+    """
+
+    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype = torch.float32,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.config, self.dtype = config, dtype
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        with _default_dtype(dtype):
+            self.model = LlamaModel(config, tp_rank, tp_size)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
+                                          tp_rank=tp_rank, tp_size=tp_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[Tensor, Tensor]]) -> Tensor:
+        """Run one step's tokens (int64 [T], at int64 positions [T]) through the decoder.
+
+        Writes their K/V into kv_caches (one (K, V) pool pair per layer) at meta.slot_mapping and
+        returns the final-norm hidden states [T, hidden_size] in the model dtype.
+        """
+        return self.model(input_ids, positions, meta, kv_caches)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """Logits fp32 [N, vocab_size] of hidden states [N, hidden_size] (full vocab on every rank)."""
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        """Load Hugging Face-named checkpoint tensors (Tensors or lazy safetensors slices).
+
+        q/k/v_proj merge into qkv_proj and gate/up_proj into gate_up_proj; each rank copies only
+        its shard. RoPE buffers and, with tied embeddings, lm_head.weight are skipped. Returns the
+        names of our parameters that received all their data (a merged one: every shard); raises
+        KeyError on an unknown tensor name.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        # a merged parameter counts as loaded once all its shards are: {name: shard ids still due}
+        pending: dict[str, set[Any]] = {}
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            for hf_piece, our_piece, shard_id in _STACKED:
+                if hf_piece in name:
+                    target = name.replace(hf_piece, our_piece)
+                    param = self._param(params, target, name)
+                    param.weight_loader(param, tensor, shard_id)
+                    due = pending.setdefault(target, {s for _, t, s in _STACKED if t == our_piece})
+                    due.discard(shard_id)
+                    if not due:
+                        loaded.add(target)
+                    break
+            else:
+                target = name
+                param = self._param(params, target, name)
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                loaded.add(target)
+        return loaded
+
+    @staticmethod
+    def _param(params: dict[str, nn.Parameter], target: str, source: str) -> nn.Parameter:
+        if target not in params:
+            raise KeyError(f"checkpoint tensor {source!r} matches no parameter of this model")
+        return params[target]
