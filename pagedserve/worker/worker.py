@@ -162,9 +162,10 @@ class Worker:
         output = StepOutput([])
         ends = meta.query_end.tolist()
         self._prompt_logprobs(plan.seqs, hidden, ends, output)
+        rows, row_ids, logits = self._sampling_rows(plan.seqs, hidden, ends)
         t2 = time.perf_counter()
-        if self.tp_rank == 0:
-            self._sample(plan.seqs, hidden, ends, output)
+        if rows:
+            self._sample(rows, row_ids, logits, output)
         output.timings = [t1 - t0, t2 - t1, time.perf_counter() - t2]
         return output
 
@@ -202,11 +203,15 @@ class Worker:
             ]
             state.prompt_scored = last
 
-    def _sample(self, seqs: list[ScheduledSeq], hidden: torch.Tensor, ends: list[int],
-                output: StepOutput) -> None:  # fmt: skip
+    def _sampling_rows(
+        self, seqs: list[ScheduledSeq], hidden: torch.Tensor, ends: list[int]
+    ) -> tuple[list[SamplingRow], list[str], torch.Tensor | None]:
+        """The rows to sample this step (forks included) and their logits; rank 0 only."""
         rows: list[SamplingRow] = []
         row_ids: list[str] = []
         hidden_rows: list[int] = []
+        if self.tp_rank != 0:
+            return rows, row_ids, None
         for s, end in zip(seqs, ends):
             if not s.sample:
                 continue
@@ -222,8 +227,12 @@ class Worker:
                 row_ids.append(fork_id)
                 hidden_rows.append(end - 1)
         if not rows:
-            return
+            return rows, row_ids, None
         logits = self.model.compute_logits(hidden[torch.tensor(hidden_rows, device=hidden.device)])
+        return rows, row_ids, logits
+
+    def _sample(self, rows: list[SamplingRow], row_ids: list[str], logits: torch.Tensor,
+                output: StepOutput) -> None:  # fmt: skip
         result = self.sampler(logits, SamplingBatch.from_rows(rows, self.eos_token_ids, self.device))
         for i, (req_id, row) in enumerate(zip(row_ids, rows)):
             token = result.sampled_token_ids[i]

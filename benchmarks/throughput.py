@@ -1,0 +1,141 @@
+"""Output tokens/s: pagedserve's LLM against transformers' batched generate, same KV budget.
+
+Workload: ShareGPT-like lengths (mean input ~161, output ~338 scaled by --output-scale so a CPU
+run ends in minutes), and a variant where every prompt starts with one of 4 shared 256-token
+system prompts. Greedy decoding, EOS ignored so that both produce exactly the requested lengths.
+
+KV budget: what --baseline-batch requests at --max-model-len need when each reserves its full
+length, as transformers' contiguous cache must. The baseline therefore runs batches of that size
+(left-padded, generating to the longest output in the batch; only each request's own tokens are
+counted); pagedserve gets the same number of KV slots as paged blocks and runs as many requests
+as they hold. Prints tokens/s for each and the ratio, the engine's per-step time split, and as
+the last line one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from benchmarks.workloads import Request, sharegpt_like  # noqa: E402
+from pagedserve import LLM, SamplingParams  # noqa: E402
+from pagedserve.worker.loader import resolve_model  # noqa: E402
+
+
+def run_baseline(model, reqs: list[Request], batch: int, pad_id: int) -> tuple[float, int]:
+    """transformers' generate over batches of ``batch``: (seconds, useful output tokens)."""
+    tokens = 0
+    t0 = time.perf_counter()
+    for i in range(0, len(reqs), batch):
+        group = reqs[i : i + batch]
+        width = max(len(r.prompt_token_ids) for r in group)
+        ids = torch.full((len(group), width), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, r in enumerate(group):
+            ids[j, width - len(r.prompt_token_ids) :] = torch.tensor(r.prompt_token_ids)
+            mask[j, width - len(r.prompt_token_ids) :] = 1
+        longest = max(r.output_len for r in group)
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=longest,
+                           min_new_tokens=longest, pad_token_id=pad_id)  # fmt: skip
+        tokens += sum(r.output_len for r in group)
+    return time.perf_counter() - t0, tokens
+
+
+def run_pagedserve(llm: LLM, reqs: list[Request], busy: int) -> dict:
+    """All requests through the engine's step loop; per-step split recorded from the engine's figures."""
+    engine = llm.engine
+    for i, r in enumerate(reqs):
+        params = SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True)
+        engine.add_request(f"r{i}", {"prompt_token_ids": r.prompt_token_ids}, params)
+    busy_time = {"schedule": 0.0, "model": 0.0, "sample": 0.0, "other": 0.0}
+    busy_steps = max_running = 0
+    t0 = time.perf_counter()
+    before = engine.stats().step_time
+    while engine.has_unfinished_requests():
+        running = len(engine.scheduler.running)
+        max_running = max(max_running, running)
+        engine.step()
+        after = engine.stats().step_time
+        if running >= busy:
+            busy_steps += 1
+            for k in busy_time:
+                busy_time[k] += after[k] - before[k]
+        before = after
+    elapsed = time.perf_counter() - t0
+    st = engine.stats()
+    assert st.free_blocks == st.num_blocks, "every KV block must be back in the pool"
+    total = sum(st.step_time.values())
+    return {
+        "seconds": elapsed, "tokens": st.generation_tokens, "max_running": max_running,
+        "split": {k: v / total for k, v in st.step_time.items()},
+        "busy_steps": busy_steps,
+        "busy_split": {k: v / max(sum(busy_time.values()), 1e-9) for k, v in busy_time.items()},
+        "preemptions": st.num_preemptions, "prefix_hits": st.prefix_cache_hits,
+    }  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF folder or GGUF; default SmolLM2-135M-Instruct")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--output-scale", type=float, default=0.25, help="scale ShareGPT output lengths")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--baseline-batch", type=int, default=8)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--busy", type=int, default=64, help="steps with this many running count as busy")
+    ap.add_argument("--workloads", default="sharegpt,shared_prefix")
+    args = ap.parse_args()
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    path = resolve_model(args.model)
+    dtype = getattr(torch, args.dtype)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).eval()
+    num_blocks = args.baseline_batch * args.max_model_len // args.block_size
+    llm = LLM(str(path), dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len,
+              num_gpu_blocks_override=num_blocks, max_num_seqs=256, max_num_batched_tokens=2048)  # fmt: skip
+    vocab = hf.config.vocab_size
+    print(f"model {path.name} {args.dtype}; KV budget {num_blocks * args.block_size} tokens "
+          f"({args.baseline_batch} x max_model_len {args.max_model_len}); threads {torch.get_num_threads()}")
+    result = {}
+    for name in args.workloads.split(","):
+        prefix = 256 if name == "shared_prefix" else 0
+        reqs = sharegpt_like(args.num_requests, max_model_len=args.max_model_len, vocab_size=vocab - 1,
+                             shared_prefix_len=prefix, num_prefixes=4, seed=1)  # fmt: skip
+        for r in reqs:
+            r.output_len = max(1, int(r.output_len * args.output_scale))
+        base_s, base_tokens = run_baseline(hf, reqs, args.baseline_batch, pad_id=0)
+        ours = run_pagedserve(llm, reqs, args.busy)
+        ours_tps, base_tps = ours["tokens"] / ours["seconds"], base_tokens / base_s
+        assert ours["tokens"] == base_tokens
+        print(f"\n[{name}] {len(reqs)} requests, {base_tokens} output tokens")
+        print(f"  transformers generate, batch {args.baseline_batch}: {base_tps:8.1f} tok/s ({base_s:.1f} s)")
+        print(f"  pagedserve LLM (max {ours['max_running']} running): {ours_tps:8.1f} tok/s "
+              f"({ours['seconds']:.1f} s)  ratio {ours_tps / base_tps:.2f}")
+        print("  step split (all steps): " + ", ".join(f"{k} {v:.1%}" for k, v in ours["split"].items()))
+        print(f"  step split ({ours['busy_steps']} steps with >= {args.busy} running): "
+              + ", ".join(f"{k} {v:.1%}" for k, v in ours["busy_split"].items()))
+        print(f"  preemptions {ours['preemptions']}, prefix-cache hit tokens {ours['prefix_hits']}")
+        result[name] = {
+            "tokens_per_s": round(ours_tps, 1), "baseline_tokens_per_s": round(base_tps, 1),
+            "ratio": round(ours_tps / base_tps, 2),
+            "schedule_fraction": round(ours["busy_split"]["schedule"] if ours["busy_steps"] else
+                                       ours["split"]["schedule"], 4),
+            "busy_steps": ours["busy_steps"], "max_running": ours["max_running"],
+            "step_split": {k: round(v, 4) for k, v in ours["split"].items()},
+        }  # fmt: skip
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

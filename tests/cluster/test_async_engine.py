@@ -1,0 +1,77 @@
+"""AsyncEngine: streams, concurrency, early exit aborts, errors reach the caller."""
+
+import asyncio
+
+import pytest
+
+from pagedserve import LLM
+from pagedserve.cluster.block_manager import RequestTooLong
+from pagedserve.cluster.engine import AsyncEngine
+from pagedserve.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_engine_model):
+    eng = AsyncEngine(model=str(tiny_engine_model), num_gpu_blocks_override=64, max_model_len=128, block_size=8)
+    yield eng
+    eng.shutdown()
+
+
+async def _wait_idle(engine: AsyncEngine) -> None:
+    for _ in range(200):
+        st = engine.stats()
+        if st.num_running == st.num_waiting == 0 and st.free_blocks == st.num_blocks:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"engine not idle: {engine.stats()}")
+
+
+def test_streams_are_cumulative_and_equal_the_sync_result(engine, tiny_engine_model):
+    async def main():
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        prompts = [{"prompt_token_ids": list(range(100 + i, 120 + i))} for i in range(4)]
+
+        async def one(i):
+            seen = []
+            async for out in engine.generate(prompts[i], params, request_id=f"s{i}"):
+                seen.append(list(out.outputs[0].token_ids))
+            return seen
+
+        streams = await asyncio.gather(*(one(i) for i in range(4)))
+        for seen in streams:
+            assert len(seen[-1]) == 10
+            assert all(a == seen[-1][: len(a)] for a in seen)  # each output extends the last
+        await _wait_idle(engine)
+        return [s[-1] for s in streams]
+
+    streamed = asyncio.run(main())
+    llm = LLM(str(tiny_engine_model), num_gpu_blocks_override=64, max_model_len=128, block_size=8)
+    prompts = [{"prompt_token_ids": list(range(100 + i, 120 + i))} for i in range(4)]
+    direct = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert streamed == [o.outputs[0].token_ids for o in direct]
+
+
+def test_leaving_the_stream_aborts_and_frees_blocks(engine):
+    async def main():
+        params = SamplingParams(max_tokens=100, ignore_eos=True)
+        before = engine.engine.generation_tokens
+        agen = engine.generate({"prompt_token_ids": list(range(60))}, params, request_id="leaver")
+        async for out in agen:
+            if len(out.outputs[0].token_ids) >= 2:
+                break
+        await agen.aclose()
+        await _wait_idle(engine)
+        assert engine.engine.generation_tokens - before < 100, "the request ran on after its caller left"
+
+    asyncio.run(main())
+
+
+def test_errors_reach_the_caller_and_the_loop_survives(engine):
+    async def main():
+        with pytest.raises(RequestTooLong):
+            async for _ in engine.generate({"prompt_token_ids": list(range(300))}, SamplingParams()):
+                pass
+        outs = [o async for o in engine.generate("hello", SamplingParams(max_tokens=3, ignore_eos=True))]
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+
+    asyncio.run(main())
