@@ -1,0 +1,102 @@
+"""Paged attention and KV cache ops, dispatched by device.
+
+CUDA tensors run the Triton kernels (attention.py, cache.py); CPU tensors run the plain-torch
+reference (reference.py). Both share one signature per op, so any caller or test can swap them.
+The backend can be forced: ``PAGEDSERVE_KERNELS=triton`` (or ``torch``) in the environment, read
+at each call, or the ``use_backend("triton")`` context manager, which wins over the environment.
+Forcing Triton on CPU tensors needs Triton's interpreter (``TRITON_INTERPRET=1`` before import).
+Triton is imported only when a Triton path is taken, so this package imports without it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+
+from torch import Tensor
+
+from pagedserve.kernels import reference
+
+__all__ = ["write_kv", "paged_attention", "copy_blocks", "swap_blocks", "use_backend", "BACKENDS"]
+
+BACKENDS = ("auto", "triton", "torch")
+_forced: str | None = None
+
+
+@contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Within the block, run every op on `name` ("auto", "triton" or "torch") whatever the device."""
+    global _forced
+    if name not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r}; expected one of {BACKENDS}")
+    previous, _forced = _forced, name
+    try:
+        yield
+    finally:
+        _forced = previous
+
+
+def _backend(t: Tensor) -> str:
+    name = _forced or os.environ.get("PAGEDSERVE_KERNELS", "auto")
+    if name not in BACKENDS:
+        raise ValueError(f"PAGEDSERVE_KERNELS={name!r}; expected one of {BACKENDS}")
+    if name == "auto":
+        return "triton" if t.is_cuda else "torch"
+    return name
+
+
+def _attention_module(t: Tensor) -> ModuleType:
+    if _backend(t) == "triton":
+        from pagedserve.kernels import attention
+
+        return attention
+    return reference
+
+
+def _cache_module(t: Tensor) -> ModuleType:
+    if _backend(t) == "triton":
+        from pagedserve.kernels import cache
+
+        return cache
+    return reference
+
+
+def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Store K/V [num_tokens, num_kv_heads, head_dim] at their slots (negative slot: skip). In place.
+    See reference.write_kv for the full contract."""
+    _cache_module(k_cache).write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+) -> Tensor:
+    """Causal attention of ragged queries over paged KV; see reference.paged_attention for the contract."""
+    return _attention_module(query).paged_attention(
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=scale,
+        sliding_window=sliding_window, max_query_len=max_query_len, max_seq_len=max_seq_len,
+    )
+
+
+def copy_blocks(k_caches: list[Tensor], v_caches: list[Tensor], block_mapping: Tensor) -> None:
+    """Copy block src to dst in every layer's K and V pool for each (src, dst) row. In place."""
+    if not k_caches:
+        return
+    _cache_module(k_caches[0]).copy_blocks(k_caches, v_caches, block_mapping)
+
+
+def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor) -> None:
+    """dst[d] = src[s] for each (s, d) row; src and dst may sit on different devices. In place."""
+    # a swap crosses devices: it is DMA through torch copies on every backend, not a kernel
+    reference.swap_blocks(src, dst, block_mapping)
