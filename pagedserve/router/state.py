@@ -1,0 +1,221 @@
+"""Router state shared across processes: the replicas' KV events and stats, and decision counters.
+
+The engine replicas publish what their prefix caches store and evict (block hashes from
+``cluster/hashing.py``) and their load figures to one named actor; each request router mirrors
+that log locally, so a routing decision never waits on an actor call.
+
+This module is imported by reference everywhere. Serve pickles a request router's module by
+value, so state that must be one per process (the decision counters) lives here, not beside the
+router class.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE = "pagedserve"
+STATE_ACTOR_NAME = "pagedserve_replica_state"
+
+# A log entry is [seq, replica_id, kind, hashes]; kind is "stored" | "removed" (KV events), "reset"
+# (the replica restarted: it holds nothing) or "drop" (the replica is gone).
+Entry = list
+
+
+class ReplicaStateLog:
+    """The replicas' KV events as one ordered log with sequence numbers, and their last stats.
+
+    A reader that has applied every entry up to ``seq`` asks ``poll(seq, epoch)`` and gets the
+    entries after it, each once, in order. The log keeps about ``max_log_hashes`` hashes; a reader
+    that fell behind the trimmed start, or that read from another incarnation of the log (another
+    ``epoch``), gets a snapshot instead: each replica's current hashes. When a replica's process
+    token changes (it restarted), a "reset" entry comes first: everything it held is gone.
+    """
+
+    def __init__(self, max_log_hashes: int = 2_000_000, clock: Callable[[], float] = time.monotonic) -> None:
+        self.epoch = uuid.uuid4().hex
+        self.max_log_hashes = max_log_hashes
+        self._clock = clock
+        self._log: list[Entry] = []
+        self._first_seq = 1  # seq of self._log[0]
+        self._seq = 0  # seq of the last entry appended
+        self._log_hashes = 0
+        self._blocks: dict[str, set[int]] = {}  # replica id -> hashes it holds now (for snapshots)
+        self._tokens: dict[str, str] = {}
+        self._stats: dict[str, tuple[dict, float]] = {}  # replica id -> (stats, received at)
+
+    def _append(self, replica_id: str, kind: str, hashes: list[int]) -> None:
+        self._seq += 1
+        self._log.append([self._seq, replica_id, kind, hashes])
+        self._log_hashes += len(hashes) + 1
+        if self._log_hashes > self.max_log_hashes:
+            # Trim to 3/4 of the cap at once so that trimming is amortized O(1) per entry.
+            cut, dropped = 0, 0
+            while self._log_hashes - dropped > self.max_log_hashes * 3 // 4 and cut < len(self._log) - 1:
+                dropped += len(self._log[cut][3]) + 1
+                cut += 1
+            del self._log[:cut]
+            self._log_hashes -= dropped
+            self._first_seq += cut
+
+    def _reset(self, replica_id: str) -> None:
+        self._blocks[replica_id] = set()
+        self._append(replica_id, "reset", [])
+
+    def publish(self, replica_id: str, token: str, events: Sequence, stats: dict | None) -> None:
+        """Apply one replica's KV events (in its order) and keep its stats as its latest."""
+        if self._tokens.get(replica_id) != token:
+            if replica_id in self._tokens:
+                self._reset(replica_id)
+            self._tokens[replica_id] = token
+        held = self._blocks.setdefault(replica_id, set())
+        for kind, hashes in events:
+            hashes = [int(h) for h in hashes]
+            if kind == "stored":
+                held.update(hashes)
+            elif kind == "removed":
+                held.difference_update(hashes)
+            else:
+                raise ValueError(f"unknown KV event kind {kind!r}")
+            self._append(replica_id, kind, hashes)
+        if stats is not None:
+            self._stats[replica_id] = (dict(stats), self._clock())
+
+    def drop(self, replica_id: str) -> None:
+        """Forget a replica that is gone: readers drop it and its blocks, stats no longer list it."""
+        if self._blocks.pop(replica_id, None) is not None:
+            self._append(replica_id, "drop", [])
+        self._tokens.pop(replica_id, None)
+        self._stats.pop(replica_id, None)
+
+    def poll(self, since: int, epoch: str | None = None) -> dict[str, Any]:
+        """Entries after ``since`` (or a snapshot), the latest stats, and how old each stats dict is.
+
+        Returns {"epoch", "seq", "entries": [...]} or {"epoch", "seq", "snapshot": {replica: [hashes]}},
+        both with "stats": {replica: dict} and "stats_age_s": {replica: seconds}.
+        """
+        now = self._clock()
+        out: dict[str, Any] = {
+            "epoch": self.epoch,
+            "seq": self._seq,
+            "stats": {rid: s for rid, (s, _) in self._stats.items()},
+            "stats_age_s": {rid: now - t for rid, (_, t) in self._stats.items()},
+        }
+        if epoch != self.epoch or since + 1 < self._first_seq or since > self._seq:
+            out["snapshot"] = {rid: list(held) for rid, held in self._blocks.items()}
+        else:
+            out["entries"] = self._log[since + 1 - self._first_seq :]
+        return out
+
+    def cluster_stats(self) -> dict[str, dict]:
+        """Each live replica's last published stats."""
+        return {rid: s for rid, (s, _) in self._stats.items()}
+
+
+@ray.remote(num_cpus=0)
+class ReplicaStateActor(ReplicaStateLog):
+    """The one named ReplicaStateLog of a cluster (get-or-create; see ``state_actor``)."""
+
+
+# ---- client side (one handle per process) --------------------------------------------------
+
+# Identifies this process to the log: a replica whose token changes has restarted.
+_PROCESS_TOKEN = uuid.uuid4().hex
+_actor: Any = None
+_actor_lock = threading.Lock()
+
+
+def state_actor() -> Any:
+    """The named state actor, created on first use (detached, namespace "pagedserve").
+
+    When a Serve controller runs, the actor is registered with it so that ``serve.shutdown()``
+    kills it, as Ray's own prefix-tree actor is.
+    """
+    global _actor
+    with _actor_lock:
+        if _actor is None:
+            _actor = ReplicaStateActor.options(
+                name=STATE_ACTOR_NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached"
+            ).remote()
+            _register_for_serve_shutdown(_actor)
+        return _actor
+
+
+def _register_for_serve_shutdown(actor: Any) -> None:
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    try:
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    except ValueError:  # no Serve controller (a benchmark or test outside Serve)
+        return
+    controller._register_shutdown_cleanup_actor.remote(actor)  # fire and forget: no blocking wait
+
+
+async def _call(method: str, *args: Any) -> Any:
+    global _actor
+    for attempt in (0, 1):
+        actor = state_actor()
+        try:
+            return await getattr(actor, method).remote(*args)
+        except ray.exceptions.RayActorError:
+            # serve.shutdown() killed it, or its node died: make a fresh one once.
+            with _actor_lock:
+                if _actor is actor:
+                    _actor = None
+            if attempt:
+                raise
+    raise AssertionError("unreachable")
+
+
+async def publish_replica_state(replica_id: str, events: list, stats: dict) -> None:
+    """Send one replica's KV events since its last call (in order) and its current stats.
+
+    ``events`` is ``BlockManager.take_events()`` / ``AsyncEngine.take_kv_events()``:
+    [("stored" | "removed", [block hashes]), ...]; ``stats`` a plain dict with at least
+    "num_running", "num_waiting", "kv_cache_usage". Call every ~100 ms from each replica with
+    ``serve.get_replica_context().replica_id.unique_id`` as ``replica_id``.
+    """
+    plain = [[kind, [int(h) for h in hashes]] for kind, hashes in events]
+    await _call("publish", replica_id, _PROCESS_TOKEN, plain, stats)
+
+
+async def cluster_stats() -> dict[str, dict]:
+    """replica_id -> the stats dict that replica published last (replicas not dropped)."""
+    return await _call("cluster_stats")
+
+
+async def drop_replica(replica_id: str) -> None:
+    """Forget a replica that is shutting down: routers stop counting its cache."""
+    await _call("drop", replica_id)
+
+
+async def poll_replica_state(since: int, epoch: str | None) -> dict[str, Any]:
+    """The log after ``since`` (see ``ReplicaStateLog.poll``); used by the routers' sync task."""
+    return await _call("poll", since, epoch)
+
+
+# ---- decision counters (per process) --------------------------------------------------------
+
+_decisions: Counter[tuple[str, str]] = Counter()
+_decisions_lock = threading.Lock()  # routers may run on their own event-loop thread
+
+
+def record_decision(policy: str, outcome: str) -> None:
+    """Count one routing decision of ``policy`` that ended in ``outcome``."""
+    with _decisions_lock:
+        _decisions[(policy, outcome)] += 1
+
+
+def decision_counts() -> dict[tuple[str, str], int]:
+    """Cumulative routing decisions in this process: (policy, outcome) -> count."""
+    with _decisions_lock:
+        return dict(_decisions)
