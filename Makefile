@@ -5,6 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
+SERVE_ARGS ?=
 
 .PHONY: install test test-fast lint serve bench clean
 
@@ -34,8 +35,9 @@ test-fast: install
 lint: install
 	$(BIN)/ruff check pagedserve tests benchmarks
 
+# More flags: make serve SERVE_ARGS="--num-replicas 2 --max-model-len 2048"
 serve: install
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/pagedserve serve --host $(HOST) --port $(PORT)
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/pagedserve serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 bench: install
 	$(BIN)/python benchmarks/kv_memory.py

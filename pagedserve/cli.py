@@ -1,0 +1,219 @@
+"""``pagedserve serve | generate``: the OpenAI-compatible server on Ray Serve, and one-shot generation.
+
+Flags are vLLM's names and map 1:1 onto the config dataclasses (``pagedserve/config.py``); a flag
+left out takes the dataclass default.
+
+    pagedserve serve                          # the default model on http://127.0.0.1:8000
+    pagedserve serve /models/llama --num-replicas 2 --routing prefix --api-key $KEY
+    pagedserve generate "The capital of France is" --max-tokens 16 --temperature 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from pagedserve.config import DTYPES, PREEMPTION_MODES, ROUTING_POLICIES, ConfigError, ServeConfig
+
+OBJECT_STORE_BYTES = 256 << 20  # requests and deltas are small dicts; the default is 30% of RAM
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "200MiB", "1.5G", "4096" (K/M/G/T are powers of 1024)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GiB, 1048576)")
+    number, unit, _ = match.groups()
+    return int(float(number) * 1024 ** " kmgt".index(unit.lower() or " "))
+
+
+def _engine_flags(parser: argparse.ArgumentParser) -> None:
+    # default=None everywhere: an absent flag takes the config dataclass's default.
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="HF folder, GGUF file or cached hub id (default: SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--served-model-name", default=None, help="the model id clients send")
+    parser.add_argument("--dtype", choices=DTYPES, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV pool size, e.g. 2GiB")
+    parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    parser.add_argument(
+        "--swap-space", type=float, default=None, help="GiB of host memory for swapped blocks"
+    )
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=None)
+    parser.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description="LLM serving on Ray with PagedAttention")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible API on Ray Serve")
+    _engine_flags(serve)
+    serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
+    serve.add_argument("--num-replicas", type=int, default=None, help="engine replicas (default 1)")
+    serve.add_argument(
+        "--routing", choices=ROUTING_POLICIES, default=None, help="request routing (default prefix)"
+    )
+    serve.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="per replica; past it requests get 503 with Retry-After (default 256)",
+    )
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("PAGEDSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $PAGEDSERVE_API_KEY)",
+    )
+    serve.add_argument(
+        "--address", default=None, help="join this Ray cluster (default: start a private local Ray)"
+    )
+
+    gen = commands.add_parser("generate", help="generate offline in this process and print the text")
+    gen.add_argument("--prompt", "-p", action="append", required=True, help="a prompt (repeat for a batch)")
+    _engine_flags(gen)
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument(
+        "--sampling-seed", type=int, default=None, help="the request's seed (--seed is the engine's)"
+    )
+    gen.add_argument("-n", type=int, default=1, help="samples per prompt")
+    return parser
+
+
+SERVE_ONLY = ("command",)
+GENERATE_ONLY = (
+    "command",
+    "prompt",
+    "chat",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "sampling_seed",
+    "n",
+)
+
+
+def init_ray(address: str | None, *, num_cpus: int | None = None,
+             object_store_memory: int = OBJECT_STORE_BYTES) -> str | None:  # fmt: skip
+    """Join the Ray cluster at ``address``, or start a private local one in a fresh temp dir.
+
+    Never joins a cluster by accident (address="local" ignores RAY_ADDRESS and running clusters).
+    Returns the private cluster's temp dir, for the caller to remove after ``ray.shutdown()``.
+    """
+    import ray
+
+    if address:
+        ray.init(address=address)
+        return None
+    # Short: Ray's Unix socket paths live under it and must stay within 107 bytes.
+    temp_dir = tempfile.mkdtemp(prefix="psrv-", dir="/tmp")
+    os.environ["RAY_TMPDIR"] = temp_dir
+    ray.init(address="local", include_dashboard=False, _temp_dir=temp_dir, num_cpus=num_cpus,
+             object_store_memory=object_store_memory)  # fmt: skip
+    return temp_dir
+
+
+def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """The ServeConfig of parsed ``serve`` flags; flags left out take the dataclasses' defaults."""
+    from pagedserve.router.app import serve_config_from_flags
+
+    return serve_config_from_flags(
+        {k: v for k, v in vars(args).items() if k not in SERVE_ONLY and v is not None}
+    )
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """Run the server until SIGINT or SIGTERM, then take it down (all of Serve on a private Ray,
+    only this application on a joined cluster)."""
+    import ray
+    from ray import serve
+
+    from pagedserve.router.app import APP_NAME, deploy, served_model_name
+
+    config = serve_config_from_args(args)
+    signal.signal(signal.SIGTERM, _interrupt)
+    temp_dir = None
+    try:
+        temp_dir = init_ray(config.address)
+        signal.signal(signal.SIGTERM, _interrupt)  # after ray.init, which may install its own
+        deploy(config)
+        print(f"pagedserve: serving {served_model_name(config.engine)!r} at http://{config.host}:{config.port}/v1"
+              " (Ctrl-C to stop)", flush=True)  # fmt: skip
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        print("pagedserve: shutting down", flush=True)
+    finally:
+        if ray.is_initialized():
+            if temp_dir is None:
+                serve.delete(APP_NAME)
+            else:
+                serve.shutdown()
+            ray.shutdown()
+        if temp_dir is not None:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+    return 0
+
+
+def generate_main(args: argparse.Namespace) -> int:
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.sampling import SamplingParamsError
+
+    flags = {k: v for k, v in vars(args).items() if k not in GENERATE_ONLY and v is not None}
+    try:
+        params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed)  # fmt: skip
+    except SamplingParamsError as exc:
+        raise ConfigError(str(exc)) from exc
+    llm = LLM(**flags)
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+    else:
+        outputs = llm.generate(list(args.prompt), params)
+    for out in outputs:
+        for sample in out.outputs:
+            print(sample.text, flush=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return serve_main(args) if args.command == "serve" else generate_main(args)
+    except ConfigError as exc:
+        print(f"pagedserve: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

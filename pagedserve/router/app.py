@@ -1,0 +1,361 @@
+"""The Ray Serve application: an OpenAI ingress in front of engine replicas.
+
+``OpenAIIngress`` (one replica, FastAPI) tokenizes, hashes the prompt's blocks and calls
+``EngineDeployment`` through a DeploymentHandle; the request router picks the replica (prefix
+locality + load, or Ray's pow2, or round robin: ``--routing``). Each ``EngineDeployment`` replica
+holds one ``AsyncEngine`` in its process and publishes its KV events and load figures to the
+cluster state every ~100 ms, where the routers and /metrics read them.
+
+Admission control, so that overload is a 503 with Retry-After and never memory growth: a replica
+takes at most max_num_seqs + max_waiting_requests requests at once (``max_ongoing_requests``) and
+rejects a request while its engine already has max_waiting_requests waiting (the KV pool, not the
+batch size, is what limits it); the ingress's handle queues at most max_waiting_requests per
+replica beyond that (``max_queued_requests``) and rejects the rest.
+
+``build_app(ServeConfig)`` is the Python entry; ``app_builder`` takes the same options as a flat
+dict for ``serve run`` / ``serve deploy`` config files (deploy/serve_config.yaml).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import fields
+from typing import Any
+
+import ray
+from fastapi import FastAPI
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.handle import DeploymentHandle
+
+from pagedserve.config import ConfigError, EngineConfig, ServeConfig
+from pagedserve.router.api import ModelInfo, build_api
+from pagedserve.router.metrics import IngressMetrics
+from pagedserve.router.protocol import OpenAIError, OutputDeltas, overloaded
+
+logger = logging.getLogger(__name__)
+
+APP_NAME = "pagedserve"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the name the engine gives model=None
+PUBLISH_PERIOD_S = 0.1
+COMPACT_EVENTS_AT = 10_000  # unpublished KV events (the state actor is unreachable) before compacting
+ROUTING_STATS_PERIOD_S = 0.5
+HEALTH_TIMEOUT_S = 10.0
+# Fractional CPUs: two engine replicas and the ingress fit on a 2-core machine. The engine's
+# torch threads are sized separately (see build_app), from the cores there are.
+ENGINE_NUM_CPUS = 0.5
+INGRESS_NUM_CPUS = 0.1
+
+
+def served_model_name(config: EngineConfig) -> str:
+    """The model id clients send: --served-model-name, else --model, else the default model's name."""
+    return config.model.served_model_name or config.model.model or DEFAULT_MODEL_NAME
+
+
+def compact_kv_events(events: list[tuple[str, list[int]]]) -> list[tuple[str, list[int]]]:
+    """The same effect in at most two events: each hash ends as its last event left it.
+
+    Applying the result to any state gives what applying ``events`` in order gives, so a replica
+    that cannot publish for a while keeps one entry per block hash, not its whole history.
+    """
+    last: dict[int, str] = {}
+    for kind, hashes in events:
+        for h in hashes:
+            last[h] = kind
+    removed = [h for h, kind in last.items() if kind == "removed"]
+    stored = [h for h, kind in last.items() if kind == "stored"]
+    return [(kind, hashes) for kind, hashes in (("removed", removed), ("stored", stored)) if hashes]
+
+
+@serve.deployment
+class EngineDeployment:
+    """One engine replica: an AsyncEngine in this process, streamed to the ingress as deltas."""
+
+    def __init__(self, engine_flags: dict[str, Any], max_waiting_requests: int, torch_threads: int) -> None:
+        import torch
+
+        from pagedserve.cluster.engine import AsyncEngine
+
+        torch.set_num_threads(torch_threads)
+        config = EngineConfig.from_flags(**engine_flags)
+        self.engine = AsyncEngine(config)
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.max_waiting_requests = max_waiting_requests
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._inflight = 0
+        self._unpublished: list = []
+        self._publisher = asyncio.get_running_loop().create_task(self._publish_forever())
+
+    async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Stream one request's deltas (``protocol.OutputDeltas``), or yield one {"error": ...} dict.
+
+        ``request`` is the ingress's dict: request_id, prompt_token_ids, params
+        (SamplingParams.to_dict()), block_hashes, session_id, priority, cache_salt. Cancelling the
+        call (the client left) aborts the request and frees its blocks.
+        """
+        from pagedserve.cluster.block_manager import RequestTooLong
+        from pagedserve.cluster.engine import InvalidPrompt
+        from pagedserve.sampling import SamplingParams, SamplingParamsError
+
+        if self._num_waiting() >= self.max_waiting_requests:
+            yield overloaded(f"engine replica {self.replica_id} has {self.max_waiting_requests} requests "
+                             "waiting; retry later").to_dict()  # fmt: skip
+            return
+        self._inflight += 1
+        deltas = OutputDeltas()
+        try:
+            params = SamplingParams.from_dict(request["params"])
+            outputs = self.engine.generate(
+                {"prompt_token_ids": request["prompt_token_ids"]}, params, request["request_id"],
+                priority=request.get("priority", 0), cache_salt=request.get("cache_salt"),
+            )  # fmt: skip
+            async with aclosing(outputs):
+                async for out in outputs:
+                    yield deltas.delta(out)
+        except SamplingParamsError as exc:
+            yield OpenAIError(400, str(exc), param=exc.param).to_dict()
+        except (InvalidPrompt, RequestTooLong) as exc:
+            yield OpenAIError(400, str(exc), param="prompt").to_dict()
+        except Exception as exc:  # a failed step fails its requests, never the replica
+            logger.exception("request %s failed", request.get("request_id"))
+            yield OpenAIError(500, f"engine error: {exc}", code="internal_error").to_dict()
+        finally:
+            self._inflight -= 1
+
+    def _num_waiting(self) -> int:
+        # The engine's figure is as of its last step; requests sent since then wait too.
+        stats = self.engine.stats()
+        return max(stats.num_waiting, self._inflight - self.max_num_seqs)
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Serve's per-replica routing stats (RunningReplica.routing_stats in the router)."""
+        stats = self.engine.stats()
+        return {"num_running": stats.num_running, "num_waiting": stats.num_waiting,
+                "kv_cache_usage": stats.kv_cache_usage}  # fmt: skip
+
+    async def health(self) -> dict[str, Any]:
+        """This replica's load, for the ingress's /health (proves a replica answers)."""
+        return await self.record_routing_stats()
+
+    def _stats_dict(self) -> dict[str, Any]:
+        s = self.engine.stats()
+        return {
+            "num_running": s.num_running, "num_waiting": s.num_waiting, "kv_cache_usage": s.kv_cache_usage,
+            "prefix_cache_queries": s.prefix_cache_queries, "prefix_cache_hits": s.prefix_cache_hits,
+            "num_preemptions": s.num_preemptions, "prompt_tokens": s.prompt_tokens,
+            "generation_tokens": s.generation_tokens, "num_blocks": s.num_blocks,
+            "free_blocks": s.free_blocks, "cached_blocks": s.cached_blocks,
+        }  # fmt: skip
+
+    async def _publish_forever(self) -> None:
+        from pagedserve.router.state import publish_replica_state
+
+        failures = 0
+        while True:
+            # Events stay queued until a publish succeeds: the routers' view of this cache must
+            # not silently miss a stored or removed block.
+            self._unpublished.extend(self.engine.take_kv_events())
+            if len(self._unpublished) > COMPACT_EVENTS_AT:
+                self._unpublished = compact_kv_events(self._unpublished)
+            try:
+                await publish_replica_state(self.replica_id, self._unpublished, self._stats_dict())
+                self._unpublished = []
+                failures = 0
+            except Exception:
+                failures += 1
+                if failures == 1 or failures % 100 == 0:
+                    logger.exception("publishing replica state failed %d times; retrying", failures)
+            await asyncio.sleep(PUBLISH_PERIOD_S)
+
+    async def __del__(self) -> None:
+        from pagedserve.router.state import drop_replica
+
+        self._publisher.cancel()
+        try:
+            await drop_replica(self.replica_id)
+        except Exception:  # the state actor may be gone already (serve.shutdown)
+            logger.warning("could not drop replica %s from the cluster state", self.replica_id)
+        await asyncio.to_thread(self.engine.shutdown)
+
+
+@serve.deployment
+@serve.ingress()
+class OpenAIIngress:
+    """The HTTP entry: the OpenAI API (``router/api.py``) over a handle to the engine replicas."""
+
+    def __init__(self, engine: DeploymentHandle, engine_flags: dict[str, Any], api_key: str | None) -> None:
+        from pagedserve.worker.loader import load_config, load_tokenizer, resolve_model
+
+        config = EngineConfig.from_flags(**engine_flags)
+        path = resolve_model(config.model.model)
+        self.tokenizer = load_tokenizer(config.model.tokenizer or path)
+        hf_config = load_config(path)
+        # The same figures the engine computes from the same config.
+        self.model = ModelInfo(
+            name=served_model_name(config), root=str(path),
+            max_model_len=config.model.max_model_len or hf_config.max_position_embeddings,
+            block_size=config.cache.block_size, vocab_size=hf_config.vocab_size,
+        )  # fmt: skip
+        self.metrics = IngressMetrics(self.model.name)
+        self._engine = engine
+        self._streaming = engine.options(stream=True)
+        self._api_key = api_key
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_api(self.model, self.tokenizer, self, self.metrics, api_key=self._api_key)
+
+    async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """EngineClient.generate over the handle; closing early cancels the call on the replica."""
+        _own_internal_request_id()
+        response = self._streaming.generate.remote(request)
+        finished = False
+        try:
+            async for delta in response:
+                finished = "error" in delta or delta["finished"]
+                yield delta
+        except (BackPressureError, DeploymentUnavailableError) as exc:
+            finished = True
+            raise overloaded(f"no engine replica can take the request now: {exc}") from exc
+        finally:
+            if not finished:
+                response.cancel()
+
+    async def engine_health(self) -> None:
+        try:
+            await asyncio.wait_for(self._engine.health.remote(), HEALTH_TIMEOUT_S)
+        except Exception as exc:
+            raise OpenAIError(503, f"the engine replicas do not answer: {exc}", code="unavailable") from exc
+
+    async def render_metrics(self) -> bytes:
+        from pagedserve.router.prefix_router import decision_counts
+        from pagedserve.router.state import cluster_stats
+
+        return self.metrics.render(await cluster_stats(), decision_counts())
+
+
+def _own_internal_request_id() -> None:
+    """Give the handle calls of the current task an internal request id of their own.
+
+    Serve copies the HTTP request's internal id into every handle call made while serving it, so
+    the engine calls of one request (a batch of prompts) share one id. A request router that
+    matches pending requests by that id (Serve's base RequestRouter, without FIFOMixin: the prefix
+    and round-robin routers) then routes one call twice and never routes the other. Serve has no
+    public API for this; its request context is a frozen dataclass in a contextvar, and the copy
+    set here lives only in the calling task's context.
+    """
+    from ray.serve.context import _get_serve_request_context, _serve_request_context
+
+    context = _get_serve_request_context()
+    _serve_request_context.set(dataclasses.replace(context, _internal_request_id=str(uuid.uuid4())))
+
+
+def _cluster_gpus() -> float:
+    return ray.cluster_resources().get("GPU", 0.0) if ray.is_initialized() else 0.0
+
+
+def build_app(serve_config: ServeConfig) -> Application:
+    """The Serve application for ``serve_config``: ingress + ``num_replicas`` engine replicas."""
+    from pagedserve.router.prefix_router import router_class_for
+
+    cfg = serve_config
+    per_replica = cfg.engine.scheduler.max_num_seqs + cfg.max_waiting_requests
+    router_options: dict[str, Any] = {"request_routing_stats_period_s": ROUTING_STATS_PERIOD_S}
+    router = router_class_for(cfg.routing)
+    if router is not None:
+        router_options["request_router_class"] = router
+    # Without GPUs each replica's torch gets its share of this machine's cores (one node);
+    # OMP_WAIT_POLICY=PASSIVE keeps idle OpenMP threads from spinning on a shared core.
+    threads = max(1, (os.cpu_count() or 1) // cfg.num_replicas)
+    env = {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    if "PAGEDSERVE_CACHE_DIR" in os.environ:
+        env["PAGEDSERVE_CACHE_DIR"] = os.environ["PAGEDSERVE_CACHE_DIR"]
+    num_gpus = cfg.engine.parallel.tensor_parallel_size if _cluster_gpus() > 0 else 0
+    engine = EngineDeployment.options(
+        num_replicas=cfg.num_replicas,
+        max_ongoing_requests=per_replica,
+        max_queued_requests=cfg.max_waiting_requests * cfg.num_replicas,
+        request_router_config=RequestRouterConfig(**router_options),
+        ray_actor_options={
+            "num_cpus": ENGINE_NUM_CPUS,
+            "num_gpus": num_gpus,
+            "runtime_env": {"env_vars": env},
+        },
+    ).bind(cfg.engine.to_flags(), cfg.max_waiting_requests, threads)
+    return OpenAIIngress.options(
+        num_replicas=1,
+        # Room for every request the engines could hold or reject, so that rejections are ours
+        # (OpenAI-shaped 503s), not the proxy's.
+        max_ongoing_requests=2 * cfg.num_replicas * per_replica + 64,
+        ray_actor_options={"num_cpus": INGRESS_NUM_CPUS, "runtime_env": {"env_vars": env}},
+    ).bind(engine, cfg.engine.to_flags(), cfg.api_key)
+
+
+def serve_config_from_flags(flags: dict[str, Any]) -> ServeConfig:
+    """A ServeConfig from flat vLLM-named options (ServeConfig's fields and EngineConfig's flags).
+
+    Values may be strings, as ``serve run module:app_builder key=value`` passes them; they are
+    converted by the field's type. Unknown names raise ConfigError.
+    """
+    serve_fields = {f.name: f for f in fields(ServeConfig) if f.name != "engine"}
+    engine_types = {f.name: f.type for part in fields(EngineConfig) for f in fields(_part_class(part.type))}
+    serve_kwargs: dict[str, Any] = {}
+    engine_kwargs: dict[str, Any] = {}
+    for key, value in flags.items():
+        key = key.replace("-", "_")
+        if key in serve_fields:
+            serve_kwargs[key] = _coerce(key, serve_fields[key].type, value)
+        elif key in engine_types:
+            engine_kwargs[key] = _coerce(key, engine_types[key], value)
+        else:
+            raise ConfigError(f"unknown option {key!r}")
+    return ServeConfig(**serve_kwargs, engine=EngineConfig.from_flags(**engine_kwargs))
+
+
+def _part_class(annotation: Any) -> type:
+    import pagedserve.config as config_module
+
+    return getattr(config_module, annotation) if isinstance(annotation, str) else annotation
+
+
+def _coerce(name: str, annotation: Any, value: Any) -> Any:
+    """Convert a string option to its field's type (annotations are strings: "int | None")."""
+    if not isinstance(value, str):
+        return value
+    kinds = {part.strip() for part in str(annotation).split("|")}
+    if "None" in kinds and value.lower() in ("none", "null", ""):
+        return None
+    try:
+        if "bool" in kinds:
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(value)
+            return value.lower() in ("true", "1", "yes")
+        if "int" in kinds:
+            return int(value)
+        if "float" in kinds:
+            return float(value)
+    except ValueError:
+        raise ConfigError(f"{name} must be {annotation}, got {value!r}") from None
+    return value
+
+
+def app_builder(args: dict[str, Any]) -> Application:
+    """Serve's application builder: ``import_path: pagedserve.router.app:app_builder`` with ``args``
+    holding the flags of ``pagedserve serve`` (model, num_replicas, routing, max_model_len, ...)."""
+    return build_app(serve_config_from_flags(dict(args)))
+
+
+def deploy(serve_config: ServeConfig, name: str = APP_NAME) -> DeploymentHandle:
+    """Start Serve's HTTP proxy on serve_config's host and port and run the application on ``/``.
+
+    Ray must be initialized. Returns once every replica is up.
+    """
+    serve.start(http_options={"host": serve_config.host, "port": serve_config.port})
+    return serve.run(build_app(serve_config), name=name, route_prefix="/", blocking=False)

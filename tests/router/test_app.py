@@ -1,0 +1,129 @@
+"""Building the Serve application from flags (no Ray needed): option mapping and deployment options."""
+
+from __future__ import annotations
+
+import pytest
+from ray.serve import Application
+
+from pagedserve.config import ConfigError, EngineConfig, ServeConfig
+from pagedserve.router.app import (
+    app_builder,
+    build_app,
+    compact_kv_events,
+    serve_config_from_flags,
+    served_model_name,
+)
+
+
+def test_flags_map_onto_the_config_dataclasses() -> None:
+    config = serve_config_from_flags(
+        {
+            "model": "/models/m",
+            "num_replicas": 2,
+            "routing": "round_robin",
+            "max_waiting_requests": 8,
+            "max_model_len": 1024,
+            "block_size": 32,
+            "enable_prefix_caching": False,
+            "preemption_mode": "swap",
+            "api_key": "k",
+        }
+    )
+    assert (config.num_replicas, config.routing, config.max_waiting_requests, config.api_key) == (
+        2,
+        "round_robin",
+        8,
+        "k",
+    )
+    engine = config.engine
+    assert (engine.model.model, engine.model.max_model_len, engine.cache.block_size) == (
+        "/models/m",
+        1024,
+        32,
+    )
+    assert engine.cache.enable_prefix_caching is False and engine.scheduler.preemption_mode == "swap"
+
+
+def test_string_values_from_serve_run_are_converted() -> None:
+    # `serve run pagedserve.router.app:app_builder num-replicas=2 ...` passes every value as a string
+    config = serve_config_from_flags(
+        {
+            "num-replicas": "2",
+            "enable_prefix_caching": "false",
+            "max_model_len": "none",
+            "gpu_memory_utilization": "0.5",
+            "kv_cache_memory": "1048576",
+        }
+    )
+    assert config.num_replicas == 2 and config.engine.cache.enable_prefix_caching is False
+    assert config.engine.model.max_model_len is None and config.engine.cache.gpu_memory_utilization == 0.5
+    assert config.engine.cache.kv_cache_memory == 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"num_replicas": "two"}, "num_replicas"),
+        ({"enable_prefix_caching": "maybe"}, "enable_prefix_caching"),
+        ({"replicas": 2}, "unknown option"),
+        ({"routing": "random"}, "--routing"),
+        ({"tensor_parallel_size": 2}, "--tensor-parallel-size"),
+    ],
+)
+def test_bad_flags_raise_config_errors(flags: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        serve_config_from_flags(flags)
+
+
+@pytest.mark.parametrize("routing", ["prefix", "pow2", "round_robin"])
+def test_build_app_for_each_routing_policy(routing: str) -> None:
+    assert isinstance(build_app(ServeConfig(routing=routing, num_replicas=2)), Application)
+
+
+def test_app_builder_takes_flat_args() -> None:
+    assert isinstance(
+        app_builder({"num_replicas": "1", "routing": "prefix", "max_model_len": "512"}), Application
+    )
+
+
+def test_served_model_name() -> None:
+    assert served_model_name(EngineConfig()) == "SmolLM2-135M-Instruct"
+    assert served_model_name(EngineConfig.from_flags(model="/m/llama")) == "/m/llama"
+    assert served_model_name(EngineConfig.from_flags(model="/m/llama", served_model_name="llama")) == "llama"
+
+
+def test_deploy_files_are_valid() -> None:
+    """deploy/serve_config.yaml passes Serve's schema and builds; deploy/cluster.yaml passes `ray up`'s."""
+    from pathlib import Path
+
+    import yaml
+    from ray.autoscaler._private.util import prepare_config, validate_config
+    from ray.serve.schema import ServeDeploySchema
+
+    root = Path(__file__).resolve().parents[2] / "deploy"
+    serve_config = ServeDeploySchema.model_validate(yaml.safe_load((root / "serve_config.yaml").read_text()))
+    (application,) = serve_config.applications
+    assert application.import_path == "pagedserve.router.app:app_builder"
+    assert isinstance(app_builder(application.args), Application)
+    assert serve_config.http_options.host == "127.0.0.1"
+    validate_config(prepare_config(yaml.safe_load((root / "cluster.yaml").read_text())))
+
+
+def test_compacted_kv_events_have_the_same_effect() -> None:
+    events = [
+        ("stored", [1, 2, 3]),
+        ("removed", [2]),
+        ("stored", [4, 2]),
+        ("removed", [1, 5]),
+        ("stored", [5]),
+    ]
+
+    def apply(held: set[int], evs: list) -> set[int]:
+        for kind, hashes in evs:
+            held = held | set(hashes) if kind == "stored" else held - set(hashes)
+        return held
+
+    compacted = compact_kv_events(events)
+    assert len(compacted) == 2
+    for start in (set(), {1, 2, 3, 4, 5, 6}, {6, 1}):
+        assert apply(start, compacted) == apply(start, events)

@@ -1,0 +1,85 @@
+"""`pagedserve` command line: flags to configs, sizes, errors, and one-shot generation."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pagedserve.cli import build_parser, main, parse_size, serve_config_from_args
+
+
+def test_parse_size() -> None:
+    assert parse_size("4096") == 4096
+    assert parse_size("200MiB") == 200 << 20
+    assert parse_size("1.5G") == 3 << 29
+    assert parse_size("2gib") == 2 << 30
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_size("lots")
+
+
+def test_serve_flags_map_one_to_one() -> None:
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "/models/m",
+            "--port",
+            "9000",
+            "--num-replicas",
+            "3",
+            "--routing",
+            "pow2",
+            "--api-key",
+            "k",
+            "--max-waiting-requests",
+            "5",
+            "--max-model-len",
+            "2048",
+            "--kv-cache-memory",
+            "1GiB",
+            "--no-enable-prefix-caching",
+            "--max-num-seqs",
+            "64",
+            "--preemption-mode",
+            "swap",
+            "--dtype",
+            "bfloat16",
+        ]
+    )
+    config = serve_config_from_args(args)
+    assert (config.host, config.port, config.num_replicas, config.routing, config.api_key) == (
+        "127.0.0.1",
+        9000,
+        3,
+        "pow2",
+        "k",
+    )
+    assert config.max_waiting_requests == 5 and config.address is None
+    e = config.engine
+    assert (e.model.model, e.model.max_model_len, e.model.dtype) == ("/models/m", 2048, "bfloat16")
+    assert (e.cache.kv_cache_memory, e.cache.enable_prefix_caching) == (1 << 30, False)
+    assert (e.scheduler.max_num_seqs, e.scheduler.preemption_mode) == (64, "swap")
+
+
+def test_defaults_come_from_the_dataclasses() -> None:
+    config = serve_config_from_args(build_parser().parse_args(["serve", "--api-key", ""]))
+    assert (config.host, config.port, config.num_replicas, config.routing) == ("127.0.0.1", 8000, 1, "prefix")
+    assert config.engine.cache.enable_prefix_caching is True and config.engine.model.model is None
+
+
+def test_bad_config_exits_2_before_starting_ray(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--tensor-parallel-size", "2"]) == 2
+    assert "--tensor-parallel-size 2 is not supported" in capsys.readouterr().err
+    assert main(["generate", "-p", "hi", "--temperature", "-1"]) == 2
+
+
+@pytest.mark.slow
+def test_generate_prints_the_greedy_text(capsys: pytest.CaptureFixture[str]) -> None:
+    from pagedserve import LLM, SamplingParams
+
+    flags = ["--max-model-len", "256", "--kv-cache-memory", "64MiB", "--dtype", "float32"]
+    assert main(["generate", "-p", "The capital of France is", "--max-tokens", "8", *flags]) == 0
+    printed = capsys.readouterr().out
+    llm = LLM(max_model_len=256, kv_cache_memory=64 << 20, dtype="float32")
+    expected = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8))[0]
+    assert printed == expected.outputs[0].text + "\n"
