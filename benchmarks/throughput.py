@@ -85,6 +85,13 @@ def run_pagedserve(llm: LLM, reqs: list[Request], busy: int) -> dict:
     }  # fmt: skip
 
 
+def busy_split(llm: LLM, num_requests: int, busy: int, vocab: int) -> dict:
+    """Step-time split with many requests running at once: equal 64-token prompts and outputs."""
+    reqs = [Request([(i * 131 + j * 7) % (vocab - 1) for j in range(64)], 64) for i in range(num_requests)]
+    ours = run_pagedserve(llm, reqs, busy)
+    return {"busy_steps": ours["busy_steps"], "max_running": ours["max_running"], **ours["busy_split"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF folder or GGUF; default SmolLM2-135M-Instruct")
@@ -96,6 +103,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--busy", type=int, default=64, help="steps with this many running count as busy")
     ap.add_argument("--workloads", default="sharegpt,shared_prefix")
+    ap.add_argument("--busy-requests", type=int, default=96, help="requests of the step-split run")
     args = ap.parse_args()
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     path = resolve_model(args.model)
@@ -105,8 +113,10 @@ def main() -> None:
     llm = LLM(str(path), dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len,
               num_gpu_blocks_override=num_blocks, max_num_seqs=256, max_num_batched_tokens=2048)  # fmt: skip
     vocab = hf.config.vocab_size
-    print(f"model {path.name} {args.dtype}; KV budget {num_blocks * args.block_size} tokens "
-          f"({args.baseline_batch} x max_model_len {args.max_model_len}); threads {torch.get_num_threads()}")
+    print(
+        f"model {path.name} {args.dtype}; KV budget {num_blocks * args.block_size} tokens "
+        f"({args.baseline_batch} x max_model_len {args.max_model_len}); threads {torch.get_num_threads()}"
+    )
     result = {}
     for name in args.workloads.split(","):
         prefix = 256 if name == "shared_prefix" else 0
@@ -120,11 +130,15 @@ def main() -> None:
         assert ours["tokens"] == base_tokens
         print(f"\n[{name}] {len(reqs)} requests, {base_tokens} output tokens")
         print(f"  transformers generate, batch {args.baseline_batch}: {base_tps:8.1f} tok/s ({base_s:.1f} s)")
-        print(f"  pagedserve LLM (max {ours['max_running']} running): {ours_tps:8.1f} tok/s "
-              f"({ours['seconds']:.1f} s)  ratio {ours_tps / base_tps:.2f}")
+        print(
+            f"  pagedserve LLM (max {ours['max_running']} running): {ours_tps:8.1f} tok/s "
+            f"({ours['seconds']:.1f} s)  ratio {ours_tps / base_tps:.2f}"
+        )
         print("  step split (all steps): " + ", ".join(f"{k} {v:.1%}" for k, v in ours["split"].items()))
-        print(f"  step split ({ours['busy_steps']} steps with >= {args.busy} running): "
-              + ", ".join(f"{k} {v:.1%}" for k, v in ours["busy_split"].items()))
+        print(
+            f"  step split ({ours['busy_steps']} steps with >= {args.busy} running): "
+            + ", ".join(f"{k} {v:.1%}" for k, v in ours["busy_split"].items())
+        )
         print(f"  preemptions {ours['preemptions']}, prefix-cache hit tokens {ours['prefix_hits']}")
         result[name] = {
             "tokens_per_s": round(ours_tps, 1), "baseline_tokens_per_s": round(base_tps, 1),
@@ -134,6 +148,14 @@ def main() -> None:
             "busy_steps": ours["busy_steps"], "max_running": ours["max_running"],
             "step_split": {k: round(v, 4) for k, v in ours["split"].items()},
         }  # fmt: skip
+    split = busy_split(llm, args.busy_requests, args.busy, vocab)
+    print(
+        f"\n[busy] {args.busy_requests} requests of 64+64 tokens, {split['busy_steps']} steps with >= "
+        f"{args.busy} running: "
+        + ", ".join(f"{k} {split[k]:.1%}" for k in ("schedule", "model", "sample", "other"))
+    )
+    result["busy"] = {k: round(v, 4) for k, v in split.items()}
+    result["schedule_fraction"] = round(split["schedule"], 4)
     print(json.dumps(result))
 
 
