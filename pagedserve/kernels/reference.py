@@ -101,7 +101,10 @@ def _gather(cache: Tensor, blocks: Tensor, length: int, which: int) -> Tensor:
     numel = rows.numel() * head_dim
     buf = _workspace.get(key)
     if buf is None or buf.numel() < numel:
-        buf = _workspace[key] = torch.empty(numel, dtype=cache.dtype, device=cache.device)
+        # a normal tensor even when first made under inference_mode (the engine's forward), so that
+        # later calls outside it (tests, benchmarks) may still write into it
+        with torch.inference_mode(False):
+            buf = _workspace[key] = torch.empty(numel, dtype=cache.dtype, device=cache.device)
     out = buf[:numel].view(-1, head_dim)
     torch.index_select(cache.view(-1, head_dim), 0, rows, out=out)
     return out.view(num_seqs, num_kv_heads, length, head_dim)

@@ -105,3 +105,14 @@ def test_swap_blocks_out_and_back() -> None:
     reference.swap_blocks(host_pool, restored, torch.tensor([[0, 7], [3, 2]]))
     assert torch.equal(restored[7], device_pool[5]) and torch.equal(restored[2], device_pool[1])
     assert torch.equal(restored[0], torch.zeros_like(restored[0]))
+
+
+def test_workspace_made_under_inference_mode_is_reusable_outside_it():
+    # The engine's first forward runs under inference_mode; later plain calls reuse its buffers.
+    q, kc, vc = torch.randn(2, 4, 16), torch.randn(8, 4, 2, 16), torch.randn(8, 4, 2, 16)
+    args = (torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([5, 6], dtype=torch.int32),
+            torch.tensor([0, 1, 2], dtype=torch.int32))  # fmt: skip
+    reference._workspace.clear()
+    with torch.inference_mode():
+        first = reference.paged_attention(q, kc, vc, *args, scale=0.25)
+    assert torch.equal(reference.paged_attention(q, kc, vc, *args, scale=0.25), first)
