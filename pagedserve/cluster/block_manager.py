@@ -429,10 +429,10 @@ class BlockManager:
         seq.table = []
         return mapping
 
-    def can_swap_in(self, req_id: RequestId, num_lookahead: int = 0) -> bool:
+    def can_swap_in(self, req_id: RequestId, extra_blocks: int = 0) -> bool:
         seq = self.seqs[req_id]
         assert seq.host_table is not None
-        return len(seq.host_table) + num_lookahead <= len(self.free_queue)
+        return len(seq.host_table) + extra_blocks <= len(self.free_queue)
 
     def swap_in(self, req_id: RequestId) -> list[tuple[int, int]] | None:
         """Bring a swapped-out request back; returns (host, device) copies, or None if short."""

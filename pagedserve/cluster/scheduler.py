@@ -203,13 +203,16 @@ class Scheduler:
     def _swap_in(self, plan: StepPlan, scheduled: dict, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.swapped[0]
-            if not self.bm.can_swap_in(req.request_id, self._watermark_blocks + 1):
+            # Room for its blocks, its next token and the watermark; alone, a request always fits
+            # (check_fits at add), so the watermark never keeps it out of an empty pool forever.
+            headroom = self._watermark_blocks + 1 if self.running else 0
+            if not self.bm.can_swap_in(req.request_id, headroom):
                 break
             plan.swap_in.extend(self.bm.swap_in(req.request_id))
             self.swapped.popleft()
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             start = self.bm.allocate(req.request_id, req.all_token_ids, n)
-            assert start is not None, "swap-in checked room for one more block"
+            assert start is not None, "swap-in checked room for the next token"
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled[req.request_id] = (req, n, 0)  # every block is new to the workers
