@@ -12,7 +12,9 @@ from pagedserve.sampling import SamplingParams
 
 @pytest.fixture(scope="module")
 def engine(tiny_engine_model):
-    eng = AsyncEngine(model=str(tiny_engine_model), num_gpu_blocks_override=64, max_model_len=128, block_size=8)
+    eng = AsyncEngine(
+        model=str(tiny_engine_model), num_gpu_blocks_override=64, max_model_len=128, block_size=8
+    )
     yield eng
     eng.shutdown()
 
