@@ -61,7 +61,8 @@ def run_pagedserve(llm: LLM, reqs: list[Request], busy: int) -> dict:
     busy_time = {"schedule": 0.0, "model": 0.0, "sample": 0.0, "other": 0.0}
     busy_steps = max_running = 0
     t0 = time.perf_counter()
-    before = engine.stats().step_time
+    start = engine.stats()  # the engine may have served earlier workloads: report differences
+    before = start.step_time
     while engine.has_unfinished_requests():
         running = len(engine.scheduler.running)
         max_running = max(max_running, running)
@@ -75,13 +76,15 @@ def run_pagedserve(llm: LLM, reqs: list[Request], busy: int) -> dict:
     elapsed = time.perf_counter() - t0
     st = engine.stats()
     assert st.free_blocks == st.num_blocks, "every KV block must be back in the pool"
-    total = sum(st.step_time.values())
+    spent = {k: st.step_time[k] - start.step_time[k] for k in st.step_time}
+    total = sum(spent.values())
     return {
-        "seconds": elapsed, "tokens": st.generation_tokens, "max_running": max_running,
-        "split": {k: v / total for k, v in st.step_time.items()},
+        "seconds": elapsed, "tokens": st.generation_tokens - start.generation_tokens,
+        "max_running": max_running, "split": {k: v / total for k, v in spent.items()},
         "busy_steps": busy_steps,
         "busy_split": {k: v / max(sum(busy_time.values()), 1e-9) for k, v in busy_time.items()},
-        "preemptions": st.num_preemptions, "prefix_hits": st.prefix_cache_hits,
+        "preemptions": st.num_preemptions - start.num_preemptions,
+        "prefix_hits": st.prefix_cache_hits - start.prefix_cache_hits,
     }  # fmt: skip
 
 
