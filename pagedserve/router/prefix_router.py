@@ -158,6 +158,16 @@ class PrefixIndex:
             self._free_slots.append(slot)
             del self._counts[replica_id]
 
+    def apply_log(self, entries: Iterable[Sequence[Any]]) -> None:
+        """Apply ``ReplicaStateLog`` entries: (seq, replica, "stored"|"removed"|"reset"|"drop", hashes)."""
+        for _, rid, kind, hashes in entries:
+            if kind == "reset":
+                self.reset(rid)
+            elif kind == "drop":
+                self.drop(rid)
+            else:
+                self.apply(rid, [(kind, hashes)])
+
     def clear(self) -> None:
         self.__init__()
 
@@ -311,13 +321,7 @@ class PrefixAwareRouter(RequestRouter):
             for rid, hashes in reply["snapshot"].items():
                 index.apply(rid, [("stored", hashes)])
         else:
-            for _, rid, kind, hashes in reply["entries"]:
-                if kind == "reset":
-                    index.reset(rid)
-                elif kind == "drop":
-                    index.drop(rid)
-                else:
-                    index.apply(rid, [(kind, hashes)])
+            index.apply_log(reply["entries"])
         self.seq, self.epoch = reply["seq"], reply["epoch"]
         now = time.monotonic()
         ages = reply.get("stats_age_s", {})

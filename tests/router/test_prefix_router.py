@@ -215,13 +215,7 @@ def test_state_log_gives_each_reader_every_event_once_in_order() -> None:
     def read(index: PrefixIndex, since: int) -> int:
         reply = log.poll(since, log.epoch)
         assert "entries" in reply
-        for _, rid, kind, hashes in reply["entries"]:
-            if kind == "reset":
-                index.reset(rid)
-            elif kind == "drop":
-                index.drop(rid)
-            else:
-                index.apply(rid, [(kind, hashes)])
+        index.apply_log(reply["entries"])
         return reply["seq"]
 
     log.publish("r0", "t0", [("stored", [1, 2, 3])], {"num_running": 1})
