@@ -8,17 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from pagedserve.worker.loader import load_tokenizer, resolve_model
+from pagedserve.worker.loader import load_tokenizer
 
 
 @pytest.fixture(scope="session")
-def smollm2_path() -> Path:
-    """The default model converted from its GGUF (once per machine, then cached)."""
-    return resolve_model(None)
-
-
-@pytest.fixture(scope="session")
-def tiny_engine_model(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
+def tiny_engine_model(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     """A 2-layer GQA Llama with SmolLM2's vocabulary and tokenizer, weights random but spread out
     enough that greedy choices are not near-ties (so fp32 reduction order cannot flip them)."""
     folder = tmp_path_factory.mktemp("tiny_engine")
@@ -35,5 +29,5 @@ def tiny_engine_model(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Pa
                 1 + 0.2 * torch.randn_like(param) if "norm" in name else 0.15 * torch.randn_like(param)
             )
     model.save_pretrained(folder)
-    load_tokenizer(smollm2_path).save_pretrained(folder)
+    load_tokenizer(smollm2_dir).save_pretrained(folder)
     return folder

@@ -223,11 +223,11 @@ def test_chat_and_incremental_detokenization(tiny_engine_model):
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_equals_transformers_with_sharing_and_preemption(smollm2_path):
+def test_smollm2_greedy_equals_transformers_with_sharing_and_preemption(smollm2_dir):
     """The real default model in fp32: 16 mixed prompts together, shared prefixes, a pool small
     enough to preempt, chunked prefill; every token equal to transformers' greedy generation."""
     prompts = mixed_prompts(16, seed=7, shared=48)
-    expected = hf_greedy(smollm2_path, prompts, 16)
+    expected = hf_greedy(smollm2_dir, prompts, 16)
     llm = LLM(
         None, num_gpu_blocks_override=40, max_model_len=320, block_size=16, max_num_batched_tokens=320,
         dtype="float32",

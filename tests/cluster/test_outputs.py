@@ -2,8 +2,8 @@ from pagedserve.cluster.outputs import IncrementalDetokenizer, find_stop_string
 from pagedserve.worker.loader import load_tokenizer
 
 
-def test_incremental_detokenization_never_emits_half_a_character(smollm2_path):
-    tok = load_tokenizer(smollm2_path)
+def test_incremental_detokenization_never_emits_half_a_character(smollm2_dir):
+    tok = load_tokenizer(smollm2_dir)
     text = "Grüße, 世界! 🦙🚀 naïve café — ✓ done"
     ids = tok(text, add_special_tokens=False).input_ids
     # byte-level BPE splits the emoji and CJK characters over several tokens
@@ -15,8 +15,8 @@ def test_incremental_detokenization_never_emits_half_a_character(smollm2_path):
     assert any(d == "" for d in deltas), "some token must have ended inside a multi-byte character"
 
 
-def test_special_tokens_are_skipped_or_kept(smollm2_path):
-    tok = load_tokenizer(smollm2_path)
+def test_special_tokens_are_skipped_or_kept(smollm2_dir):
+    tok = load_tokenizer(smollm2_dir)
     ids = tok("hello", add_special_tokens=False).input_ids + [tok.eos_token_id]
     skip = IncrementalDetokenizer(tok, [1], skip_special_tokens=True)
     keep = IncrementalDetokenizer(tok, [1], skip_special_tokens=False)

@@ -64,15 +64,6 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
 
 
-@pytest.fixture(scope="session")
-def smollm2_dir() -> Path:
-    """The default model (SmolLM2-135M-Instruct) converted from its GGUF into the pagedserve cache
-    ($PAGEDSERVE_CACHE_DIR or ~/.cache/pagedserve): ~20 s the first time ever, then instant."""
-    from pagedserve.worker.loader import resolve_model
-
-    return resolve_model(None)
-
-
 def _llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     # llama.cpp's convert_hf_to_gguf interleaves each q/k head's two RoPE halves; the loader undoes it
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
