@@ -89,8 +89,9 @@ class LLM:
         """Apply the model's chat template to each conversation, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
+        template = tok.apply_chat_template
         prompts = [
-            {"prompt_token_ids": _as_ids(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt))}
+            {"prompt_token_ids": _as_ids(template(c, add_generation_prompt=add_generation_prompt))}
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, **kwargs)

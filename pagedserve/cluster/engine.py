@@ -188,7 +188,7 @@ class Engine:
         outputs = self._update(plan, result)
         t3 = time.perf_counter()
         self.num_steps += 1
-        prepare, model, sample = result.timings or (0.0, 0.0, 0.0)
+        _, model, sample = result.timings or (0.0, 0.0, 0.0)  # input preparation lands in other
         self._time["schedule"] += (t1 - t0) + (t3 - t2)
         self._time["model"] += model
         self._time["sample"] += sample

@@ -7,7 +7,6 @@ bytes are plain lists of ints and strings.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Protocol
 
 import msgpack
@@ -32,10 +31,6 @@ class InProcessExecutor:
 
         self.worker = Worker(model_path, **worker_kwargs)
 
-    @property
-    def hf_config(self):
-        return self.worker.hf_config
-
     def determine_num_blocks(self, cache: CacheConfig, max_num_batched_tokens: int) -> tuple[int, int]:
         return self.worker.determine_num_blocks(cache, max_num_batched_tokens)
 
@@ -49,12 +44,3 @@ class InProcessExecutor:
     def shutdown(self) -> None:
         self.worker = None
 
-
-def cpu_threads() -> int:
-    """CPUs this process may use (Ray sets affinity/OMP_NUM_THREADS for actors)."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return max(1, int(os.environ["OMP_NUM_THREADS"]))
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
