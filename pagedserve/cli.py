@@ -16,14 +16,20 @@ import re
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 from collections.abc import Sequence
 from typing import Any
 
-from pagedserve.config import DTYPES, PREEMPTION_MODES, ROUTING_POLICIES, ConfigError, ServeConfig
+from pagedserve.cluster.executor import init_ray
+from pagedserve.config import (
+    DTYPES,
+    PLACEMENT_STRATEGIES,
+    PREEMPTION_MODES,
+    ROUTING_POLICIES,
+    ConfigError,
+    ServeConfig,
+)
 
-OBJECT_STORE_BYTES = 256 << 20  # requests and deltas are small dicts; the default is 30% of RAM
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
@@ -62,6 +68,15 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=None)
     parser.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    parser.add_argument(
+        "--placement-group-strategy", choices=PLACEMENT_STRATEGIES, default=None,
+        help="where a replica's ranks go (default STRICT_PACK: one node; PACK may span nodes)",
+    )  # fmt: skip
+    parser.add_argument("--distributed-executor-backend", choices=("ray", "mp"), default=None)
+    parser.add_argument(
+        "--step-timeout-s", type=float, default=None,
+        help="a tensor-parallel step not done by then fails its requests and rebuilds the group (300)",
+    )  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,26 +135,6 @@ GENERATE_ONLY = (
 )
 
 
-def init_ray(address: str | None, *, num_cpus: int | None = None,
-             object_store_memory: int = OBJECT_STORE_BYTES) -> str | None:  # fmt: skip
-    """Join the Ray cluster at ``address``, or start a private local one in a fresh temp dir.
-
-    Never joins a cluster by accident (address="local" ignores RAY_ADDRESS and running clusters).
-    Returns the private cluster's temp dir, for the caller to remove after ``ray.shutdown()``.
-    """
-    import ray
-
-    if address:
-        ray.init(address=address)
-        return None
-    # Short: Ray's Unix socket paths live under it and must stay within 107 bytes.
-    temp_dir = tempfile.mkdtemp(prefix="psrv-", dir="/tmp")
-    os.environ["RAY_TMPDIR"] = temp_dir
-    ray.init(address="local", include_dashboard=False, _temp_dir=temp_dir, num_cpus=num_cpus,
-             object_store_memory=object_store_memory)  # fmt: skip
-    return temp_dir
-
-
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     """The ServeConfig of parsed ``serve`` flags; flags left out take the dataclasses' defaults."""
     from pagedserve.router.app import serve_config_from_flags
@@ -162,6 +157,11 @@ def serve_main(args: argparse.Namespace) -> int:
     from pagedserve.router.app import APP_NAME, deploy, served_model_name
 
     config = serve_config_from_args(args)
+    tp = config.engine.parallel.tensor_parallel_size
+    if tp > 1:  # refuse a size the model's heads cannot split before anything starts
+        from pagedserve.worker.loader import check_tensor_parallel, load_config, resolve_model
+
+        check_tensor_parallel(load_config(resolve_model(config.engine.model.model)), tp)
     signal.signal(signal.SIGTERM, _interrupt)
     temp_dir = None
     try:
@@ -196,10 +196,13 @@ def generate_main(args: argparse.Namespace) -> int:
     except SamplingParamsError as exc:
         raise ConfigError(str(exc)) from exc
     llm = LLM(**flags)
-    if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
-    else:
-        outputs = llm.generate(list(args.prompt), params)
+    try:
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+        else:
+            outputs = llm.generate(list(args.prompt), params)
+    finally:
+        llm.shutdown()
     for out in outputs:
         for sample in out.outputs:
             print(sample.text, flush=True)

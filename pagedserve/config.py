@@ -80,18 +80,36 @@ class SchedulerConfig:
         _require(0 <= self.watermark < 1, "--watermark must be in [0, 1)")
 
 
+PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+
+
 @dataclass(slots=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None: in-process for tp=1, "ray" above
+    placement_group_strategy: str = "STRICT_PACK"  # of a replica's ranks; PACK lets a group span nodes
+    use_compiled_graph: bool = True  # plans reach the ranks through a Ray Compiled Graph (else actor calls)
+    step_timeout_s: float = 300.0  # a tensor-parallel step not done by then fails and rebuilds the group
 
     def __post_init__(self) -> None:
         _require(self.tensor_parallel_size >= 1, "--tensor-parallel-size must be >= 1")
-        # Tensor parallelism over Ray worker actors arrives with its own issue.
         _require(
-            self.tensor_parallel_size == 1,
-            f"--tensor-parallel-size {self.tensor_parallel_size} is not supported yet; use 1",
+            self.distributed_executor_backend in (None, "ray", "mp"),
+            "--distributed-executor-backend must be ray (or mp for size 1)",
         )
+        _require(
+            self.distributed_executor_backend != "mp" or self.tensor_parallel_size == 1,
+            "--distributed-executor-backend mp runs one rank in process; tensor parallelism uses ray",
+        )
+        _require(
+            self.placement_group_strategy in PLACEMENT_STRATEGIES,
+            f"--placement-group-strategy must be one of {PLACEMENT_STRATEGIES}",
+        )
+        _require(self.step_timeout_s > 0, "--step-timeout-s must be positive")
+
+    @property
+    def uses_ray(self) -> bool:
+        return self.tensor_parallel_size > 1 or self.distributed_executor_backend == "ray"
 
 
 @dataclass(slots=True)

@@ -46,6 +46,11 @@ class LLM:
         self.engine = Engine(config)
         self._counter = 0
 
+    def shutdown(self) -> None:
+        """Release the engine's ranks (tensor parallelism: their actors, placement group and the
+        private Ray started for them). The LLM is unusable afterwards."""
+        self.engine.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -183,6 +183,11 @@ class SamplingParams:
                 raise SamplingParamsError(str(key), f"unknown sampling parameter {key!r}")
         return cls(**data)
 
+    def for_sample(self, index: int) -> SamplingParams:
+        """The params of parallel sample ``index`` of an n > 1 request: n=1 and, when seeded, seed + index."""
+        seed = None if self.seed is None else self.seed + index
+        return SamplingParams.from_dict({**self.to_dict(), "seed": seed, "n": 1, "best_of": None})
+
 
 def _copy_plain(value: Any) -> Any:
     return list(value) if isinstance(value, list) else value

@@ -1,6 +1,8 @@
 """Process-wide test settings (set before torch or triton is imported) and shared fixtures."""
 
 import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,3 +23,25 @@ def smollm2_dir() -> Path:
     from pagedserve.worker.loader import resolve_model
 
     return resolve_model(None)
+
+
+# Logical CPUs of the test session's Ray: the served model of the router tests (2 replicas, 1.1
+# CPUs) and a tensor-parallel group (ranks take this machine's cores, ~2) fit at once. Torch
+# threads are sized from the physical cores, not from these.
+RAY_TEST_CPUS = 4
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    """A private local Ray (never a running cluster), shut down after the session."""
+    import ray
+
+    from pagedserve.cluster.executor import init_ray
+
+    temp_dir = init_ray(None, num_cpus=RAY_TEST_CPUS, object_store_memory=200 << 20)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if temp_dir:
+            shutil.rmtree(temp_dir, ignore_errors=True)

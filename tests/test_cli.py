@@ -68,8 +68,8 @@ def test_defaults_come_from_the_dataclasses() -> None:
 
 
 def test_bad_config_exits_2_before_starting_ray(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["serve", "--tensor-parallel-size", "2"]) == 2
-    assert "--tensor-parallel-size 2 is not supported" in capsys.readouterr().err
+    assert main(["serve", "--tensor-parallel-size", "0"]) == 2
+    assert "--tensor-parallel-size must be >= 1" in capsys.readouterr().err
     assert main(["generate", "-p", "hi", "--temperature", "-1"]) == 2
 
 

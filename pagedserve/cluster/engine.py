@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.cluster.block_manager import BlockManager
-from pagedserve.cluster.executor import Executor, InProcessExecutor
+from pagedserve.cluster.executor import Executor, RankFailure, make_executor
 from pagedserve.cluster.outputs import (
     CompletionOutput,
     IncrementalDetokenizer,
@@ -27,10 +27,11 @@ from pagedserve.cluster.outputs import (
     find_stop_string,
 )
 from pagedserve.cluster.request import Request, RequestStatus
-from pagedserve.cluster.scheduler import Scheduler, StepOutput, StepPlan
+from pagedserve.cluster.scheduler import Scheduler
 from pagedserve.config import ConfigError, EngineConfig
+from pagedserve.plan import StepOutput, StepPlan
 from pagedserve.sampling import SamplingParams
-from pagedserve.worker.loader import load_config, load_tokenizer, resolve_model
+from pagedserve.worker.loader import check_tensor_parallel, load_config, load_tokenizer, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     num_steps: int
+    num_group_restarts: int = 0  # tensor-parallel groups rebuilt after a rank failed
     step_time: dict[str, float] = field(default_factory=dict)  # seconds: schedule, model, sample, other
 
 
@@ -88,9 +90,9 @@ class Engine:
         self.eos_token_ids = eos_token_ids(self.tokenizer, hf_config)
         self.vocab_size = hf_config.vocab_size
         self.max_model_len = mc.max_model_len or hf_config.max_position_embeddings
-        self.executor = executor or InProcessExecutor(
-            self.model_path, dtype=mc.dtype, seed=mc.seed, eos_token_ids=self.eos_token_ids
-        )
+        check_tensor_parallel(hf_config, config.parallel.tensor_parallel_size)
+        worker_kwargs = {"dtype": mc.dtype, "seed": mc.seed, "eos_token_ids": self.eos_token_ids}
+        self.executor = executor or make_executor(config.parallel, self.model_path, worker_kwargs)
         num_blocks, num_host = self.executor.determine_num_blocks(cc, sc.max_num_batched_tokens)
         if sc.preemption_mode != "swap":
             num_host = 0  # the host pool only serves swapping
@@ -100,25 +102,55 @@ class Engine:
                 f"{self.max_model_len}: lower --max-model-len or give the cache more memory"
             )
         self.executor.init_kv_pool(num_blocks, cc.block_size, num_host)
-        self.block_manager = BlockManager(
-            num_blocks,
-            cc.block_size,
-            num_host_blocks=num_host,
-            enable_prefix_caching=cc.enable_prefix_caching,
-        )
-        self.scheduler = Scheduler(sc, self.block_manager, self.max_model_len)
+        self._pool_shape = (num_blocks, num_host)
+        self._new_scheduler()
+        self._lost_events: list[tuple[str, list[int]]] = []  # of a block manager dropped by recover()
         self._groups: dict[str, Request] = {}  # request id -> its first sample (holds the others)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.num_steps = 0
+        self.num_group_restarts = 0
         self._time = {"schedule": 0.0, "model": 0.0, "sample": 0.0, "other": 0.0}
         logger.info(
             "KV pool: %d blocks of %d tokens = %d tokens; max concurrency at max_model_len %d: %.1f",
             num_blocks, cc.block_size, num_blocks * cc.block_size, self.max_model_len,
             num_blocks * cc.block_size / self.max_model_len,
         )  # fmt: skip
+
+    def _new_scheduler(self) -> None:
+        num_blocks, num_host = self._pool_shape
+        cc = self.config.cache
+        self.block_manager = BlockManager(num_blocks, cc.block_size, num_host_blocks=num_host,
+                                          enable_prefix_caching=cc.enable_prefix_caching)  # fmt: skip
+        self.scheduler = Scheduler(self.config.scheduler, self.block_manager, self.max_model_len)
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """End every request with an error (finish reason "error"); their final outputs."""
+        outputs = []
+        for root in list(self._groups.values()):
+            root.error = message
+            for sample in root.samples:
+                self.scheduler.finish_request(sample, RequestStatus.FINISHED_ERROR)
+            outputs.append(self._finish_group(root))
+        return outputs
+
+    def recover(self) -> None:
+        """After a RankFailure (call fail_all first): rebuild the rank group and start a fresh
+        scheduler over its empty pool. The routers hear that every cached block is gone."""
+        assert not self._groups, "fail the requests in flight before rebuilding"
+        old = self.block_manager
+        self._lost_events.extend(old.take_events())
+        if old.cached:
+            self._lost_events.append(("removed", list(old.cached)))
+        self.executor.restart()
+        queries, hits, preemptions = old.prefix_queries, old.prefix_hits, self.scheduler.num_preemptions
+        self._new_scheduler()
+        # the figures are cumulative since the replica started (Prometheus counters), not per group
+        self.block_manager.prefix_queries, self.block_manager.prefix_hits = queries, hits
+        self.scheduler.num_preemptions = preemptions
+        self.num_group_restarts += 1
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -287,6 +319,10 @@ class Engine:
             self._detok.pop(sample.request_id, None)
         return out
 
+    def shutdown(self) -> None:
+        """Stop the executor's ranks (a tensor-parallel group's actors and placement group)."""
+        self.executor.shutdown()
+
     # ---- figures -------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
@@ -298,11 +334,13 @@ class Engine:
             cached_blocks=kv.cached_blocks, kv_cache_usage=kv.usage, live_fraction=kv.live_fraction,
             prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
             num_preemptions=sched.num_preemptions, prompt_tokens=self.prompt_tokens,
-            generation_tokens=self.generation_tokens, num_steps=self.num_steps, step_time=dict(self._time),
+            generation_tokens=self.generation_tokens, num_steps=self.num_steps,
+            num_group_restarts=self.num_group_restarts, step_time=dict(self._time),
         )  # fmt: skip
 
     def take_kv_events(self) -> list[tuple[str, list[int]]]:
-        return self.block_manager.take_events()
+        lost, self._lost_events = self._lost_events, []
+        return lost + self.block_manager.take_events()
 
 
 def _top(ids: list[int] | None, values: list[float] | None) -> dict[int, Logprob]:
@@ -380,6 +418,7 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=30)
+        self.engine.shutdown()
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         target = self._streams.get(request_id)
@@ -417,6 +456,9 @@ class AsyncEngine:
                 continue
             try:
                 outputs = engine.step()
+            except RankFailure as exc:
+                self._recover(exc)
+                continue
             except Exception as exc:  # a step failure fails the running requests, not the replica
                 logger.exception("engine step failed")
                 for request_id in list(engine._groups):
@@ -426,6 +468,39 @@ class AsyncEngine:
             for out in outputs:
                 self._deliver(out.request_id, out)
             self._publish()
+
+    def _recover(self, failure: RankFailure) -> None:
+        """A rank died or hung: fail the requests in flight at once, then rebuild the group.
+
+        Requests that arrive meanwhile wait in the command queue and run on the new group; while
+        a rebuild keeps failing, they fail too (never left waiting on a dead group).
+        """
+        logger.error("%s; failing the requests in flight and rebuilding the group", failure)
+        message = f"{failure}; the engine is rebuilding its tensor-parallel group, retry the request"
+        for out in self.engine.fail_all(message):
+            self._deliver(out.request_id, RankFailure(message))
+        self._publish()
+        delay = 1.0
+        while not self._stopped:
+            try:
+                self.engine.recover()
+                logger.info("tensor-parallel group rebuilt")
+                return
+            except Exception as exc:
+                logger.exception("rebuilding the tensor-parallel group failed; retrying in %.0f s", delay)
+                self._fail_queued(f"the engine cannot rebuild its tensor-parallel group: {exc}")
+                self._wake.wait(timeout=delay)
+                self._wake.clear()
+                delay = min(2 * delay, 30.0)
+
+    def _fail_queued(self, message: str) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                self._deliver(cmd[1], RankFailure(message))
 
     def _publish(self) -> None:
         self._stats = self.engine.stats()

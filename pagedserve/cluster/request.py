@@ -9,12 +9,6 @@ from typing import Any
 from pagedserve.sampling import SamplingParams
 
 
-def sample_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The params of parallel sample ``index`` of a request (n > 1): n=1 and, when seeded, seed + index."""
-    seed = None if params.seed is None else params.seed + index
-    return SamplingParams.from_dict({**params.to_dict(), "seed": seed, "n": 1, "best_of": None})
-
-
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -101,7 +95,7 @@ class Request:
 
     def fork(self, child_id: str, sample_index: int) -> Request:
         """A parallel sample that shares everything computed so far (its blocks are forked too)."""
-        params = sample_params(self.params, sample_index)
+        params = self.params.for_sample(sample_index)
         child = Request(
             child_id,
             self.prompt_token_ids,

@@ -36,10 +36,11 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
+from pagedserve.cluster.executor import cpus_per_rank
 from pagedserve.config import ConfigError, EngineConfig, ServeConfig
 from pagedserve.router.api import ModelInfo, build_api
 from pagedserve.router.metrics import IngressMetrics
-from pagedserve.router.protocol import OpenAIError, OutputDeltas, overloaded
+from pagedserve.router.protocol import RETRY_AFTER_S, OpenAIError, OutputDeltas, overloaded
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +50,11 @@ PUBLISH_PERIOD_S = 0.1
 COMPACT_EVENTS_AT = 10_000  # unpublished KV events (the state actor is unreachable) before compacting
 ROUTING_STATS_PERIOD_S = 0.5
 HEALTH_TIMEOUT_S = 10.0
+RETRIES_ON_RANK_FAILURE = 1  # a request that streamed nothing yet is sent again once
 # Fractional CPUs: two engine replicas and the ingress fit on a 2-core machine. The engine's
 # torch threads are sized separately (see build_app), from the cores there are.
 ENGINE_NUM_CPUS = 0.5
+ENGINE_TP_NUM_CPUS = 0.1  # a tensor-parallel replica only schedules; its ranks hold the cores
 INGRESS_NUM_CPUS = 0.1
 
 
@@ -103,6 +106,7 @@ class EngineDeployment:
         """
         from pagedserve.cluster.block_manager import RequestTooLong
         from pagedserve.cluster.engine import InvalidPrompt
+        from pagedserve.cluster.executor import RankFailure
         from pagedserve.sampling import SamplingParams, SamplingParamsError
 
         if self._num_waiting() >= self.max_waiting_requests:
@@ -124,6 +128,11 @@ class EngineDeployment:
             yield OpenAIError(400, str(exc), param=exc.param).to_dict()
         except (InvalidPrompt, RequestTooLong) as exc:
             yield OpenAIError(400, str(exc), param="prompt").to_dict()
+        except RankFailure as exc:  # the replica rebuilds its group and serves the next requests
+            yield OpenAIError(
+                503, f"engine replica {self.replica_id}: {exc}", code="engine_restarting",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ).to_dict()  # fmt: skip
         except Exception as exc:  # a failed step fails its requests, never the replica
             logger.exception("request %s failed", request.get("request_id"))
             yield OpenAIError(500, f"engine error: {exc}", code="internal_error").to_dict()
@@ -153,6 +162,7 @@ class EngineDeployment:
             "num_preemptions": s.num_preemptions, "prompt_tokens": s.prompt_tokens,
             "generation_tokens": s.generation_tokens, "num_blocks": s.num_blocks,
             "free_blocks": s.free_blocks, "cached_blocks": s.cached_blocks,
+            "num_group_restarts": s.num_group_restarts,
         }  # fmt: skip
 
     async def _publish_forever(self) -> None:
@@ -213,20 +223,34 @@ class OpenAIIngress:
         return build_api(self.model, self.tokenizer, self, self.metrics, api_key=self._api_key)
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """EngineClient.generate over the handle; closing early cancels the call on the replica."""
-        _own_internal_request_id()
-        response = self._streaming.generate.remote(request)
-        finished = False
-        try:
-            async for delta in response:
-                finished = "error" in delta or delta["finished"]
-                yield delta
-        except (BackPressureError, DeploymentUnavailableError) as exc:
-            finished = True
-            raise overloaded(f"no engine replica can take the request now: {exc}") from exc
-        finally:
-            if not finished:
-                response.cancel()
+        """EngineClient.generate over the handle; closing early cancels the call on the replica.
+
+        A request whose replica lost a tensor-parallel rank before it streamed anything is sent
+        once more (the router may pick another replica; the same one serves it once rebuilt).
+        """
+        for attempt in range(RETRIES_ON_RANK_FAILURE + 1):
+            _own_internal_request_id()
+            response = self._streaming.generate.remote(request)
+            finished = retry = False
+            streamed = False
+            try:
+                async for delta in response:
+                    finished = "error" in delta or delta["finished"]
+                    if not streamed and _rank_failure(delta) and attempt < RETRIES_ON_RANK_FAILURE:
+                        retry = True
+                        break
+                    streamed = True
+                    yield delta
+            except (BackPressureError, DeploymentUnavailableError) as exc:
+                finished = True
+                raise overloaded(f"no engine replica can take the request now: {exc}") from exc
+            finally:
+                if not finished:
+                    response.cancel()
+            if not retry:
+                return
+            logger.warning("request %s: sent again after %s", request.get("request_id"),
+                           delta["error"]["message"])  # fmt: skip
 
     async def engine_health(self) -> None:
         try:
@@ -239,6 +263,10 @@ class OpenAIIngress:
         from pagedserve.router.state import cluster_stats
 
         return self.metrics.render(await cluster_stats(), decision_counts())
+
+
+def _rank_failure(delta: dict[str, Any]) -> bool:
+    return "error" in delta and delta["error"].get("code") == "engine_restarting"
 
 
 def _own_internal_request_id() -> None:
@@ -261,6 +289,31 @@ def _cluster_gpus() -> float:
     return ray.cluster_resources().get("GPU", 0.0) if ray.is_initialized() else 0.0
 
 
+def engine_resources(cfg: ServeConfig, env: dict[str, str]) -> dict[str, Any]:
+    """What one engine replica reserves from Ray: its actor's options and, for a tensor-parallel
+    group, its placement group (the replica's bundle, then one bundle per rank).
+
+    Ray's scheduler and autoscaler then account for replicas x ranks devices. On GPUs each rank's
+    bundle is {"GPU": 1}; on CPUs each rank gets its share of the cores left by the ingress and
+    the replicas' schedulers (the rank's torch threads are sized from it).
+    """
+    parallel = cfg.engine.parallel
+    actor: dict[str, Any] = {"num_cpus": ENGINE_NUM_CPUS, "runtime_env": {"env_vars": env}}
+    if not parallel.uses_ray:
+        return {"ray_actor_options": {**actor, "num_gpus": 1 if _cluster_gpus() > 0 else 0}}
+    tp = parallel.tensor_parallel_size
+    options: dict[str, Any] = {"ray_actor_options": {**actor, "num_cpus": ENGINE_TP_NUM_CPUS}}
+    if _cluster_gpus() > 0:
+        rank_bundle = {"GPU": 1.0}
+    else:
+        other = INGRESS_NUM_CPUS + cfg.num_replicas * ENGINE_TP_NUM_CPUS
+        rank_bundle = {"CPU": cpus_per_rank(cfg.num_replicas * tp, other)}
+    bundles = [{"CPU": ENGINE_TP_NUM_CPUS}, *(dict(rank_bundle) for _ in range(tp))]
+    options["placement_group_bundles"] = bundles
+    options["placement_group_strategy"] = parallel.placement_group_strategy
+    return options
+
+
 def build_app(serve_config: ServeConfig) -> Application:
     """The Serve application for ``serve_config``: ingress + ``num_replicas`` engine replicas."""
     from pagedserve.router.prefix_router import router_class_for
@@ -271,23 +324,19 @@ def build_app(serve_config: ServeConfig) -> Application:
     router = router_class_for(cfg.routing)
     if router is not None:
         router_options["request_router_class"] = router
+    parallel = cfg.engine.parallel
     # Without GPUs each replica's torch gets its share of this machine's cores (one node);
     # OMP_WAIT_POLICY=PASSIVE keeps idle OpenMP threads from spinning on a shared core.
-    threads = max(1, (os.cpu_count() or 1) // cfg.num_replicas)
+    threads = 1 if parallel.uses_ray else max(1, (os.cpu_count() or 1) // cfg.num_replicas)
     env = {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     if "PAGEDSERVE_CACHE_DIR" in os.environ:
         env["PAGEDSERVE_CACHE_DIR"] = os.environ["PAGEDSERVE_CACHE_DIR"]
-    num_gpus = cfg.engine.parallel.tensor_parallel_size if _cluster_gpus() > 0 else 0
     engine = EngineDeployment.options(
         num_replicas=cfg.num_replicas,
         max_ongoing_requests=per_replica,
         max_queued_requests=cfg.max_waiting_requests * cfg.num_replicas,
         request_router_config=RequestRouterConfig(**router_options),
-        ray_actor_options={
-            "num_cpus": ENGINE_NUM_CPUS,
-            "num_gpus": num_gpus,
-            "runtime_env": {"env_vars": env},
-        },
+        **engine_resources(cfg, env),
     ).bind(cfg.engine.to_flags(), cfg.max_waiting_requests, threads)
     return OpenAIIngress.options(
         num_replicas=1,

@@ -48,6 +48,8 @@ COUNTERS = (
     ("pagedserve:num_preemptions", "num_preemptions", "Preemptions of running requests."),
     ("pagedserve:prompt_tokens", "prompt_tokens", "Prompt tokens processed."),
     ("pagedserve:generation_tokens", "generation_tokens", "Tokens generated."),
+    ("pagedserve:engine_group_restarts", "num_group_restarts",
+     "Tensor-parallel groups rebuilt after a rank died or hung."),
 )
 
 

@@ -29,6 +29,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from pagedserve.config import ConfigError
 from pagedserve.worker.models import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -201,6 +202,32 @@ def resolve_dtype(dtype: str | torch.dtype, config: PretrainedConfig,
 def load_config(path: str | os.PathLike[str]) -> PretrainedConfig:
     """The Hugging Face config of a resolved model folder (offline)."""
     return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def check_tensor_parallel(config: PretrainedConfig, tp_size: int) -> None:
+    """Refuse a tensor-parallel size that cannot split this model (vLLM's rule), naming its counts.
+
+    The attention heads and the MLP's intermediate features must divide evenly; the KV heads
+    must divide evenly too, or (size above the KV heads) the size must be a multiple of them,
+    each KV head then replicated on size / KV heads ranks.
+    """
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+    kv_heads = kv_heads or heads
+    inter = getattr(config, "intermediate_size", tp_size)
+    problems = []
+    if heads % tp_size:
+        problems.append(f"its {heads} attention heads are not divisible by {tp_size}")
+    if tp_size <= kv_heads and kv_heads % tp_size:
+        problems.append(f"its {kv_heads} KV heads are not divisible by {tp_size}")
+    if tp_size > kv_heads and tp_size % kv_heads:
+        problems.append(f"{tp_size} is not a multiple of its {kv_heads} KV heads (to replicate them)")
+    if inter % tp_size:
+        problems.append(f"its intermediate size {inter} is not divisible by {tp_size}")
+    if problems:
+        raise ConfigError(
+            f"--tensor-parallel-size {tp_size} cannot split this model ({heads} attention heads, "
+            f"{kv_heads} KV heads): " + "; ".join(problems)
+        )
 
 
 def load_model(

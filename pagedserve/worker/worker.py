@@ -16,9 +16,8 @@ import msgpack
 import numpy as np
 import torch
 
-from pagedserve.cluster.request import sample_params
-from pagedserve.cluster.scheduler import SampledToken, ScheduledSeq, StepOutput, StepPlan
 from pagedserve.config import CacheConfig
+from pagedserve.plan import SampledToken, ScheduledSeq, StepOutput, StepPlan
 from pagedserve.sampling import (
     Sampler,
     SamplingBatch,
@@ -164,7 +163,7 @@ class Worker:
         self._prompt_logprobs(plan.seqs, hidden, ends, output)
         rows, row_ids, logits = self._sampling_rows(plan.seqs, hidden, ends)
         t2 = time.perf_counter()
-        if rows:
+        if rows and self.tp_rank == 0:
             self._sample(rows, row_ids, logits, output)
         output.timings = [t1 - t0, t2 - t1, time.perf_counter() - t2]
         return output
@@ -206,19 +205,21 @@ class Worker:
     def _sampling_rows(
         self, seqs: list[ScheduledSeq], hidden: torch.Tensor, ends: list[int]
     ) -> tuple[list[SamplingRow], list[str], torch.Tensor | None]:
-        """The rows to sample this step (forks included) and their logits; rank 0 only."""
+        """The rows to sample this step (forks included) and their logits.
+
+        Every rank keeps the forks' state and computes the logits (the vocabulary-parallel LM head
+        is a collective that all ranks must join); only rank 0 samples.
+        """
         rows: list[SamplingRow] = []
         row_ids: list[str] = []
         hidden_rows: list[int] = []
-        if self.tp_rank != 0:
-            return rows, row_ids, None
         for s, end in zip(seqs, ends):
             if not s.sample:
                 continue
             state = self.states[s.req_id]
             for k, fork_id in enumerate([s.req_id, *s.fork_ids]):
                 if k:  # a parallel sample: same prompt and blocks, its own params and generator
-                    params = sample_params(state.row.params, k)
+                    params = state.row.params.for_sample(k)
                     gen = make_generator(params.seed, self.device) if params.seed is not None else None
                     outputs: list[int] = []
                     row = SamplingRow(params, state.row.prompt_token_ids, outputs, gen)

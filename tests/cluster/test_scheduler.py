@@ -6,8 +6,9 @@ import pytest
 
 from pagedserve.cluster.block_manager import BlockManager, RequestTooLong
 from pagedserve.cluster.request import Request, RequestStatus
-from pagedserve.cluster.scheduler import Scheduler, StepPlan
+from pagedserve.cluster.scheduler import Scheduler
 from pagedserve.config import SchedulerConfig
+from pagedserve.plan import StepPlan
 from pagedserve.sampling import SamplingParams
 
 

@@ -7,7 +7,6 @@ The server is the real application (``build_app``): two engine replicas of the d
 
 from __future__ import annotations
 
-import shutil
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,22 +32,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def ray_session() -> Iterator[None]:
-    """A private local Ray (never a running cluster), shut down after the session."""
-    import ray
-
-    from pagedserve.cli import init_ray
-
-    temp_dir = init_ray(None, num_cpus=2, object_store_memory=200 << 20)
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        if temp_dir:
-            shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -67,7 +67,7 @@ def test_string_values_from_serve_run_are_converted() -> None:
         ({"enable_prefix_caching": "maybe"}, "enable_prefix_caching"),
         ({"replicas": 2}, "unknown option"),
         ({"routing": "random"}, "--routing"),
-        ({"tensor_parallel_size": 2}, "--tensor-parallel-size"),
+        ({"tensor_parallel_size": 0}, "--tensor-parallel-size"),
     ],
 )
 def test_bad_flags_raise_config_errors(flags: dict, message: str) -> None:
