@@ -119,3 +119,18 @@ def test_plans_round_trip_through_msgpack():
     plan = s.schedule()
     again = StepPlan.from_wire(msgpack.unpackb(msgpack.packb(plan.to_wire()), strict_map_key=False))
     assert again.seqs == plan.seqs and again.copies == plan.copies
+
+
+def test_swapped_mid_prefill_comes_back_with_room_for_its_whole_next_chunk():
+    # Chunks of 12 tokens and a pool of 12 blocks: requests are swapped out halfway through their
+    # prompt; the one swapped back in must get blocks for its whole next chunk (3 blocks), not one.
+    came_back_mid_prefill = set()
+    for seed in range(6):
+        s = make(num_blocks=12, block_size=4, max_model_len=48, num_host_blocks=40, preemption_mode="swap",
+                 max_num_batched_tokens=12, watermark=0.0)  # fmt: skip
+        for i in range(4):
+            s.add_request(request(f"r{seed}-{i}", 14 + 3 * ((seed + i) % 4), max_tokens=10, t=i))
+        plans = drain(s)
+        came_back_mid_prefill |= {q.req_id for p in plans if p.swap_in for q in p.seqs
+                                  if q.table_start == 0 and q.new is None and len(q.token_ids) > 4}  # fmt: skip
+    assert came_back_mid_prefill, "some request must come back before its prompt was done"
