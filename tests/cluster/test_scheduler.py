@@ -131,6 +131,8 @@ def test_swapped_mid_prefill_comes_back_with_room_for_its_whole_next_chunk():
         for i in range(4):
             s.add_request(request(f"r{seed}-{i}", 14 + 3 * ((seed + i) % 4), max_tokens=10, t=i))
         plans = drain(s)
-        came_back_mid_prefill |= {q.req_id for p in plans if p.swap_in for q in p.seqs
-                                  if q.table_start == 0 and q.new is None and len(q.token_ids) > 4}  # fmt: skip
+        came_back_mid_prefill |= {
+            q.req_id for p in plans if p.swap_in for q in p.seqs
+            if q.table_start == 0 and q.new is None and len(q.token_ids) > 4
+        }  # fmt: skip
     assert came_back_mid_prefill, "some request must come back before its prompt was done"
