@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Kernel checks on a GPU, as one script: the tests/kernels suite on the device with compiled
 # Triton (no interpreter), then benchmarks/kernels.py (device correctness, do_bench timings and a
-# small sweep of tile configs).
-# Writes env.txt, tests.log, bench.log and kernels.json to $OUT (default /tmp/pagedserve-gpu).
+# small sweep of tile configs), then on 2+ GPUs the tensor-parallel tests over NCCL.
+# Writes env.txt, tests.log, bench.log, kernels.json and tp.log to $OUT (default /tmp/pagedserve-gpu).
 #
 #   benchmarks/gpu.sh              # on a CUDA machine
 #   DEVICE=cpu benchmarks/gpu.sh   # dry run of the same steps on the host (interpreter, CPU bench)
@@ -62,5 +62,19 @@ timeout "$BENCH_TIMEOUT" "$PY" benchmarks/kernels.py --device "$DEVICE" --sweep 
     | tee "$OUT/bench.log"
 bench=${PIPESTATUS[0]}
 
-echo "gpu.sh: tests exit $tests, benchmark exit $bench; results in $OUT"
-[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
+# Tensor parallelism over NCCL: size-2 greedy output equals transformers' and size 1, with prefix
+# caching, chunked prefill and both preemptions, and seeded n > 1 (tests/cluster/test_tensor_parallel.py),
+# on a machine with at least 2 GPUs. Ranks are Ray actors with one GPU each in a placement group.
+tp=0
+gpus=$(command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | wc -l || echo 0)
+if [ "$DEVICE" = cuda ] && [ "$gpus" -ge 2 ]; then
+    echo "== tensor parallelism, size 2 over NCCL ($gpus GPUs)"
+    timeout "$TEST_TIMEOUT" "$PY" -m pytest -q -ra -p no:cacheprovider tests/cluster/test_tensor_parallel.py \
+        -k "size_2 or seeded or lost_rank" 2>&1 | tee "$OUT/tp.log"
+    tp=${PIPESTATUS[0]}
+else
+    echo "== tensor parallelism over NCCL skipped: $gpus GPU(s), 2 needed" | tee "$OUT/tp.log"
+fi
+
+echo "gpu.sh: tests exit $tests, benchmark exit $bench, tensor-parallel exit $tp; results in $OUT"
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$tp" -eq 0 ]

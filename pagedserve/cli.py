@@ -24,6 +24,7 @@ from pagedserve.cluster.executor import init_ray
 from pagedserve.config import (
     DTYPES,
     PLACEMENT_STRATEGIES,
+    PLAN_TRANSPORTS,
     PREEMPTION_MODES,
     ROUTING_POLICIES,
     ConfigError,
@@ -73,6 +74,10 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         help="where a replica's ranks go (default STRICT_PACK: one node; PACK may span nodes)",
     )  # fmt: skip
     parser.add_argument("--distributed-executor-backend", choices=("ray", "mp"), default=None)
+    parser.add_argument(
+        "--plan-transport", choices=PLAN_TRANSPORTS, default=None,
+        help="how each step's plan reaches the ranks (default socket)",
+    )  # fmt: skip
     parser.add_argument(
         "--step-timeout-s", type=float, default=None,
         help="a tensor-parallel step not done by then fails its requests and rebuilds the group (300)",

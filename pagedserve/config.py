@@ -81,6 +81,7 @@ class SchedulerConfig:
 
 
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+PLAN_TRANSPORTS = ("socket", "compiled_graph", "actor_call")
 
 
 @dataclass(slots=True)
@@ -88,7 +89,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None: in-process for tp=1, "ray" above
     placement_group_strategy: str = "STRICT_PACK"  # of a replica's ranks; PACK lets a group span nodes
-    use_compiled_graph: bool = True  # plans reach the ranks through a Ray Compiled Graph (else actor calls)
+    plan_transport: str = "socket"  # how plans reach the ranks: socket, compiled_graph or actor_call
     step_timeout_s: float = 300.0  # a tensor-parallel step not done by then fails and rebuilds the group
 
     def __post_init__(self) -> None:
@@ -106,6 +107,7 @@ class ParallelConfig:
             f"--placement-group-strategy must be one of {PLACEMENT_STRATEGIES}",
         )
         _require(self.step_timeout_s > 0, "--step-timeout-s must be positive")
+        _require(self.plan_transport in PLAN_TRANSPORTS, f"--plan-transport must be one of {PLAN_TRANSPORTS}")
 
     @property
     def uses_ray(self) -> bool:

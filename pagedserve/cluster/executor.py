@@ -72,7 +72,7 @@ def make_executor(parallel: ParallelConfig, model_path: str, worker_kwargs: dict
     return RayExecutor(
         model_path, tp_size=parallel.tensor_parallel_size, worker_kwargs=worker_kwargs,
         strategy=parallel.placement_group_strategy, timeout_s=parallel.step_timeout_s,
-        compiled_graph=parallel.use_compiled_graph,
+        transport=parallel.plan_transport,
         num_cpus_per_rank=cpus_per_rank(parallel.tensor_parallel_size), ray_temp_dir=temp_dir,
     )  # fmt: skip
 

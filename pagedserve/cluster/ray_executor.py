@@ -6,10 +6,9 @@ creates (``LLM(tensor_parallel_size=N)`` outside Serve). Ranks rendezvous on ran
 (loopback when the whole group shares a node), join one torch.distributed group (gloo on CPU,
 NCCL on CUDA) and each load only their shard.
 
-Each step the plan is serialized once (msgpack) and the same bytes reach every rank. The fast
-path is a Ray Compiled Graph (``experimental_compile``: shared-memory channels set up once, no
-task submission per step); ``compiled_graph=False`` makes one plain actor call per rank per step
-(the baseline of ``benchmarks/tp_step.py``). Rank 0's output is the step's result.
+Each step the plan is serialized once (msgpack) and the same bytes reach every rank through the
+plan transport (``plan_transport.py``: a socket per rank by default, or a Ray Compiled Graph, or
+one plain actor call per rank per step). Rank 0's output is the step's result.
 
 A rank that dies, or a step that does not finish within ``timeout_s``, raises ``RankFailure``;
 ``restart()`` then kills the group and builds it again in the same placement group (same
@@ -20,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
 import uuid
 from typing import Any
 
@@ -29,6 +29,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pagedserve.cluster.executor import RankFailure
+from pagedserve.cluster.plan_transport import make_transport
 from pagedserve.config import CacheConfig, ConfigError
 from pagedserve.plan import StepOutput, StepPlan
 from pagedserve.worker.rank import RankActor
@@ -50,24 +51,26 @@ class RayExecutor:
         worker_kwargs: dict[str, Any],
         strategy: str = "STRICT_PACK",
         timeout_s: float = 300.0,
-        compiled_graph: bool = True,
+        transport: str = "socket",
         use_gpu: bool | None = None,
         num_cpus_per_rank: float = 1.0,
         ray_temp_dir: str | None = None,
     ) -> None:
         self.model_path, self.tp_size, self.worker_kwargs = model_path, tp_size, worker_kwargs
-        self.timeout_s, self.compiled_graph = timeout_s, compiled_graph
+        self.timeout_s, self.transport_kind = timeout_s, transport
         self.ray_temp_dir = ray_temp_dir  # a private Ray started for this executor: shut down with it
         self.group_id = uuid.uuid4().hex[:8]
-        self.use_gpu = use_gpu if use_gpu is not None else ray.cluster_resources().get("GPU", 0) > 0
-        self.pg, self.bundle_offset, self._own_pg = _placement(
-            tp_size, strategy, self.use_gpu, num_cpus_per_rank
-        )
+        want_gpu = use_gpu if use_gpu is not None else ray.cluster_resources().get("GPU", 0) > 0
+        self.pg, self.bundle_offset, self._own_pg = _placement(tp_size, strategy, want_gpu, num_cpus_per_rank)
+        # a Serve replica's group says itself whether its ranks have GPUs
+        self.use_gpu = self.pg.bundle_specs[self.bundle_offset].get("GPU", 0) > 0
         self.ranks: list[ray.actor.ActorHandle] = []
         self.pids: list[int] = []  # of the rank processes (all on this machine in tests)
-        self._dag = None
+        self._transport = None
+        self._local = True  # every rank on this process's node
         self._pool_args: tuple[int, int, int] | None = None
         self.num_restarts = 0
+        self.last_step_s = self.last_rank_s = 0.0
         self._start()
 
     # ---- the group -----------------------------------------------------------------------
@@ -97,6 +100,7 @@ class RayExecutor:
         where = ray.get([r.placement.remote() for r in self.ranks], timeout=START_TIMEOUT_S)
         self.pids = ray.get([r.pid.remote() for r in self.ranks], timeout=START_TIMEOUT_S)
         one_node = len({node for node, _, _ in where}) == 1
+        self._local = one_node and where[0][0] == ray.get_runtime_context().get_node_id()
         host = "127.0.0.1" if one_node else where[0][1]
         port = where[0][2]
         backend = "nccl" if self.use_gpu else "gloo"
@@ -107,31 +111,13 @@ class RayExecutor:
         logger.info("tensor-parallel group %s: %d ranks (%s) on %s", self.group_id, self.tp_size, backend,
                     "one node" if one_node else f"{len({n for n, _, _ in where})} nodes")  # fmt: skip
 
-    def _compile(self) -> None:
-        if not self.compiled_graph:
-            return
-        from ray.dag import InputNode, MultiOutputNode
-
-        with InputNode() as plan:
-            dag = MultiOutputNode([r.execute_wire.bind(plan) for r in self.ranks])
-        self._dag = dag.experimental_compile(_submit_timeout=self.timeout_s)
-
     def _teardown(self) -> None:
         # Kill first: a rank stuck in a collective would keep the graph's teardown waiting.
         for r in self.ranks:
             ray.kill(r, no_restart=True)
-        if self._dag is not None:
-            # Its actors are dead: the graph logs each failed cancel as an error; we know.
-            dag_logger = logging.getLogger("ray.dag.compiled_dag_node")
-            level = dag_logger.level
-            dag_logger.setLevel(logging.CRITICAL)
-            try:
-                self._dag.teardown()
-            except Exception:  # a graph whose actors died may already be torn down
-                logger.debug("compiled graph teardown", exc_info=True)
-            finally:
-                dag_logger.setLevel(level)
-            self._dag = None
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
         self.ranks = []
 
     # ---- the Executor protocol -----------------------------------------------------------
@@ -148,21 +134,21 @@ class RayExecutor:
         self._pool_args = (num_blocks, block_size, num_host_blocks)
         ray.get([r.init_kv_pool.remote(num_blocks, block_size, num_host_blocks) for r in self.ranks],
                 timeout=START_TIMEOUT_S)  # fmt: skip
-        self._compile()
+        self._transport = make_transport(self.transport_kind, self.ranks, self.timeout_s, self._local)
 
     def execute(self, plan: StepPlan) -> StepOutput:
+        start = time.perf_counter()
         wire = msgpack.packb(plan.to_wire())
         try:
-            if self._dag is not None:
-                outputs = ray.get(self._dag.execute(wire), timeout=self.timeout_s)
-            else:
-                outputs = ray.get([r.execute_wire.remote(wire) for r in self.ranks], timeout=self.timeout_s)
+            outputs = self._transport.run(wire)
         except Exception as exc:
             raise RankFailure(f"tensor-parallel group {self.group_id}: {_describe(exc)}") from exc
-        for out in outputs:
-            if isinstance(out, Exception):  # a compiled graph returns a rank's exception as its output
-                raise RankFailure(f"tensor-parallel group {self.group_id}: {_describe(out)}") from out
-        return StepOutput.from_wire(msgpack.unpackb(outputs[0], strict_map_key=False))
+        result = StepOutput.from_wire(msgpack.unpackb(outputs[0], strict_map_key=False))
+        # this step's wall time here and the slowest rank's time inside its step: the difference
+        # is what delivering the plan and collecting the outputs cost (benchmarks/tp_step.py)
+        self.last_step_s = time.perf_counter() - start
+        self.last_rank_s = max(sum(result.timings), *(sum(msgpack.unpackb(o)[2]) for o in outputs[1:]))
+        return result
 
     def restart(self) -> None:
         """Kill the group and build it again in the same placement group, with empty KV pools."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -18,8 +19,6 @@ import msgpack
 
 from pagedserve.config import CacheConfig
 from pagedserve.plan import StepOutput
-
-EMPTY_OUTPUT = msgpack.packb(StepOutput([]).to_wire())
 
 
 def free_port() -> int:
@@ -71,9 +70,19 @@ class RankActor:
         self.worker.init_kv_pool(num_blocks, block_size, num_host_blocks)
 
     def execute_wire(self, plan: bytes) -> bytes:
-        """One step on this rank's shard; rank 0 returns the step's output, the others an empty one."""
+        """One step on this rank's shard. Rank 0 returns the step's output; the others an output
+        with only their timings (what the executor needs to tell its own overhead from compute)."""
+        start = time.perf_counter()
         out = self.worker.execute_wire(plan)
-        return out if self.rank == 0 else EMPTY_OUTPUT
+        if self.rank == 0:
+            return out
+        return msgpack.packb(StepOutput([], timings=[time.perf_counter() - start]).to_wire())
+
+    def serve_plans(self, address: list, token: str) -> None:
+        """Connect to the scheduler's plan channel and answer its plans from a thread of this actor."""
+        from pagedserve.worker.plan_channel import serve_plans
+
+        self._plan_thread = serve_plans(address, token, self.rank, self.execute_wire)
 
     def pid(self) -> int:
         return os.getpid()

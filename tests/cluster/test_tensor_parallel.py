@@ -152,11 +152,14 @@ async def _stream_until_failure(engine: AsyncEngine, prompts: list[str], kill) -
     return await asyncio.wait_for(asyncio.gather(*tasks), 60)
 
 
-@pytest.mark.parametrize("fault", ["killed", "hung"])
-def test_a_lost_rank_fails_its_requests_and_the_group_is_rebuilt(tiny_engine_model, fault):
+@pytest.mark.parametrize(
+    "fault, transport",
+    [("killed", "socket"), ("hung", "socket"), ("killed", "compiled_graph"), ("killed", "actor_call")],
+)
+def test_a_lost_rank_fails_its_requests_and_the_group_is_rebuilt(tiny_engine_model, fault, transport):
     engine = AsyncEngine(model=str(tiny_engine_model), tensor_parallel_size=2, dtype="float32",
                          num_gpu_blocks_override=128, max_model_len=256, block_size=8,
-                         step_timeout_s=5)  # fmt: skip
+                         step_timeout_s=5, plan_transport=transport)  # fmt: skip
     executor = engine.engine.executor
     old_pids = list(executor.pids)
     try:
