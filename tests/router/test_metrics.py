@@ -20,6 +20,7 @@ STATS = {
         "num_blocks": 64,
         "free_blocks": 48,
         "cached_blocks": 8,
+        "num_group_restarts": 1,
     },
     "r2": {
         "num_running": 0,
@@ -33,6 +34,7 @@ STATS = {
         "num_blocks": 64,
         "free_blocks": 64,
         "cached_blocks": 0,
+        "num_group_restarts": 0,
     },
 }
 
