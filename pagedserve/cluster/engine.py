@@ -389,6 +389,10 @@ class AsyncEngine:
         try:
             while True:
                 item = await stream.get()
+                # Outputs are cumulative: when the consumer fell behind, only the newest matters
+                # (one delta instead of several, each a message through Serve and the HTTP proxy).
+                while not isinstance(item, BaseException) and not stream.empty():
+                    item = stream.get_nowait()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item

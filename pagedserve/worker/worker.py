@@ -27,7 +27,7 @@ from pagedserve.sampling import (
     make_generator,
 )
 from pagedserve.worker.kv_pool import KVPool, bytes_per_block, host_memory, num_kv_heads_per_rank
-from pagedserve.worker.layers import AttentionMetadata
+from pagedserve.worker.layers import AttentionMetadata, prepack_linear_weights
 from pagedserve.worker.loader import load_model
 from pagedserve.worker.models.llama import head_dim_of
 
@@ -65,6 +65,8 @@ class Worker:
             model_path, dtype=dtype, device=self.device, tp_rank=tp_rank, tp_size=tp_size
         )
         self.dtype = next(self.model.parameters()).dtype
+        if self.device.type == "cpu":
+            prepack_linear_weights(self.model)
         self.eos_token_ids = tuple(eos_token_ids)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
         self.states: dict[str, _SeqState] = {}

@@ -13,7 +13,8 @@ from pagedserve.sampling import SamplingParams
 @pytest.fixture(scope="module")
 def engine(tiny_engine_model):
     eng = AsyncEngine(
-        model=str(tiny_engine_model), num_gpu_blocks_override=64, max_model_len=128, block_size=8
+        model=str(tiny_engine_model), dtype="float32", num_gpu_blocks_override=64, max_model_len=128,
+        block_size=8,
     )
     yield eng
     eng.shutdown()
@@ -47,7 +48,8 @@ def test_streams_are_cumulative_and_equal_the_sync_result(engine, tiny_engine_mo
         return [s[-1] for s in streams]
 
     streamed = asyncio.run(main())
-    llm = LLM(str(tiny_engine_model), num_gpu_blocks_override=64, max_model_len=128, block_size=8)
+    llm = LLM(str(tiny_engine_model), dtype="float32", num_gpu_blocks_override=64, max_model_len=128,
+              block_size=8)  # fmt: skip
     prompts = [{"prompt_token_ids": list(range(100 + i, 120 + i))} for i in range(4)]
     direct = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     assert streamed == [o.outputs[0].token_ids for o in direct]

@@ -68,7 +68,8 @@ def expected(tiny_engine_model: Path) -> list[list[int]]:
 
 
 def test_greedy_with_prefix_caching_equals_transformers(tiny_engine_model, expected):
-    llm = LLM(str(tiny_engine_model), num_gpu_blocks_override=256, max_model_len=256, block_size=8)
+    llm = LLM(str(tiny_engine_model), dtype="float32", num_gpu_blocks_override=256, max_model_len=256,
+              block_size=8)  # fmt: skip
     prompts = mixed_prompts()
     assert run(llm, prompts, GREEDY) == expected
     # Again: now the prompts' full blocks are all cached, and the result must not change.
@@ -81,7 +82,7 @@ def test_greedy_with_prefix_caching_equals_transformers(tiny_engine_model, expec
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_greedy_under_preemption_equals_transformers(tiny_engine_model, expected, mode):
     llm = LLM(
-        str(tiny_engine_model), num_gpu_blocks_override=20, max_model_len=160, block_size=8,
+        str(tiny_engine_model), dtype="float32", num_gpu_blocks_override=20, max_model_len=160, block_size=8,
         preemption_mode=mode, swap_space=0.002, max_num_batched_tokens=160,
     )  # fmt: skip
     assert run(llm, mixed_prompts(), GREEDY) == expected
@@ -92,8 +93,8 @@ def test_greedy_under_preemption_equals_transformers(tiny_engine_model, expected
 
 def test_greedy_with_chunked_prefill_equals_transformers(tiny_engine_model, expected):
     llm = LLM(
-        str(tiny_engine_model), num_gpu_blocks_override=256, max_model_len=256, block_size=16,
-        max_num_batched_tokens=24, enable_prefix_caching=False,
+        str(tiny_engine_model), dtype="float32", num_gpu_blocks_override=256, max_model_len=256,
+        block_size=16, max_num_batched_tokens=24, enable_prefix_caching=False,
     )  # fmt: skip
     seen_partial = []
     step, scheduler = llm.engine.step, llm.engine.scheduler
@@ -110,7 +111,8 @@ def test_greedy_with_chunked_prefill_equals_transformers(tiny_engine_model, expe
 
 
 def test_seeded_parallel_samples_do_not_depend_on_the_batch(tiny_engine_model):
-    llm = LLM(str(tiny_engine_model), num_gpu_blocks_override=256, max_model_len=256, block_size=8)
+    llm = LLM(str(tiny_engine_model), dtype="float32", num_gpu_blocks_override=256, max_model_len=256,
+              block_size=8)  # fmt: skip
     prompt = {"prompt_token_ids": list(range(300, 333))}
     params = SamplingParams(n=3, temperature=1.0, top_p=0.95, seed=1234, max_tokens=10, ignore_eos=True)
     alone = [c.token_ids for c in llm.generate([prompt], params)[0].outputs]
@@ -124,7 +126,8 @@ def test_seeded_parallel_samples_do_not_depend_on_the_batch(tiny_engine_model):
 
 
 def test_parallel_samples_share_prompt_blocks(tiny_engine_model):
-    llm = LLM(str(tiny_engine_model), num_gpu_blocks_override=64, max_model_len=256, block_size=8)
+    llm = LLM(str(tiny_engine_model), dtype="float32", num_gpu_blocks_override=64, max_model_len=256,
+              block_size=8)  # fmt: skip
     engine = llm.engine
     engine.add_request(
         "r",
@@ -148,7 +151,8 @@ def test_parallel_samples_share_prompt_blocks(tiny_engine_model):
 
 
 def test_stops_lengths_and_errors(tiny_engine_model):
-    llm = LLM(str(tiny_engine_model), num_gpu_blocks_override=64, max_model_len=128, block_size=8)
+    llm = LLM(str(tiny_engine_model), dtype="float32", num_gpu_blocks_override=64, max_model_len=128,
+              block_size=8)  # fmt: skip
     prompt = {"prompt_token_ids": list(range(1000, 1010))}
     base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0]
     assert base.finish_reason == "length" and len(base.token_ids) == 20
@@ -175,7 +179,8 @@ def test_stops_lengths_and_errors(tiny_engine_model):
 
 
 def test_abort_frees_blocks(tiny_engine_model):
-    llm = LLM(str(tiny_engine_model), num_gpu_blocks_override=64, max_model_len=128, block_size=8)
+    llm = LLM(str(tiny_engine_model), dtype="float32", num_gpu_blocks_override=64, max_model_len=128,
+              block_size=8)  # fmt: skip
     engine = llm.engine
     engine.add_request("a", {"prompt_token_ids": list(range(40))}, SamplingParams(max_tokens=50))
     engine.add_request("b", {"prompt_token_ids": list(range(50, 90))}, SamplingParams(max_tokens=50))
@@ -191,11 +196,13 @@ def test_abort_frees_blocks(tiny_engine_model):
 
 def test_pool_smaller_than_max_model_len_is_a_config_error(tiny_engine_model):
     with pytest.raises(ConfigError, match="max-model-len"):
-        LLM(str(tiny_engine_model), num_gpu_blocks_override=4, max_model_len=256, block_size=8)
+        LLM(str(tiny_engine_model), dtype="float32", num_gpu_blocks_override=4, max_model_len=256,
+            block_size=8)  # fmt: skip
 
 
 def test_prompt_logprobs_equal_transformers(tiny_engine_model):
-    llm = LLM(str(tiny_engine_model), num_gpu_blocks_override=64, max_model_len=128, block_size=8,
+    llm = LLM(str(tiny_engine_model), dtype="float32", num_gpu_blocks_override=64, max_model_len=128,
+              block_size=8,
               max_num_batched_tokens=16)  # fmt: skip
     prompt = list(range(2000, 2030))
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
@@ -210,7 +217,8 @@ def test_prompt_logprobs_equal_transformers(tiny_engine_model):
 
 
 def test_chat_and_incremental_detokenization(tiny_engine_model):
-    llm = LLM(str(tiny_engine_model), num_gpu_blocks_override=64, max_model_len=256, block_size=8)
+    llm = LLM(str(tiny_engine_model), dtype="float32", num_gpu_blocks_override=64, max_model_len=256,
+              block_size=8)  # fmt: skip
     tok = llm.get_tokenizer()
     out = llm.chat(
         [{"role": "user", "content": "héllo wörld ✓"}],

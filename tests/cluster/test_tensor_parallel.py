@@ -73,6 +73,20 @@ def test_size_2_greedy_equals_transformers_with_caching_chunking_and_preemption(
             assert_group_released(llm)
 
 
+def test_one_rank_in_its_own_process_equals_in_process(tiny_engine_model):
+    """distributed_executor_backend="ray" at size 1: the model runs in a rank actor, the scheduler here."""
+    prompts = mixed_prompts(8, seed=2)
+    expected = hf_greedy(tiny_engine_model, prompts, MAX_NEW)
+    llm = LLM(str(tiny_engine_model), dtype="float32", distributed_executor_backend="ray",
+              num_gpu_blocks_override=64, max_model_len=160, block_size=8)  # fmt: skip
+    try:
+        assert isinstance(llm.engine.executor, RayExecutor) and len(llm.engine.executor.ranks) == 1
+        assert run(llm, prompts, GREEDY) == expected
+        assert_pool_empty(llm)
+    finally:
+        assert_group_released(llm)
+
+
 def test_seeded_parallel_samples_equal_size_1(tiny_engine_model):
     prompts = [{"prompt_token_ids": list(range(300, 333))}, {"prompt_token_ids": list(range(900, 917))}]
     params = SamplingParams(n=3, temperature=1.0, top_p=0.95, seed=1234, max_tokens=10, ignore_eos=True)

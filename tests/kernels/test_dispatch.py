@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pagedserve.kernels as kernels
-from pagedserve.kernels import attention, cache, reference
+from pagedserve.kernels import attention, cache, cpu, reference
 from tests.kernels.batches import DEVICE, contiguous_attention, make_batch, max_error
 
 
@@ -18,7 +18,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Records which implementation each op reached, still running it."""
     monkeypatch.delenv("PAGEDSERVE_KERNELS", raising=False)
     seen: list[str] = []
-    for module, name in [(reference, "torch"), (attention, "triton"), (cache, "triton")]:
+    for module, name in [(reference, "torch"), (cpu, "cpu"), (attention, "triton"), (cache, "triton")]:
         for op in ("paged_attention", "write_kv", "copy_blocks"):
             if hasattr(module, op):
                 real = getattr(module, op)
@@ -41,7 +41,10 @@ def _run_all_ops(calls: list[str]) -> None:
 
 def test_auto_picks_by_device(calls: list[str]) -> None:
     _run_all_ops(calls)
-    assert calls == ["triton" if DEVICE.type == "cuda" else "torch"] * 3
+    if DEVICE.type == "cuda":
+        assert calls == ["triton"] * 3
+    else:  # the CPU path: C++ decode (the reference where it could not be built), reference ops
+        assert calls[0] == "cpu" and calls[1:] in (["cpu", "cpu"], ["torch", "cpu", "cpu"])
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

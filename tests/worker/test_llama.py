@@ -41,7 +41,7 @@ def _assert_matches_reference(reference: torch.nn.Module,
 
 @pytest.mark.parametrize("block_size", [4, 8])
 def test_ragged_prefill_and_decode_match_transformers(tiny_model_dir: Path, block_size: int) -> None:
-    model, config = load_model(tiny_model_dir, dtype="auto", device="cpu")
+    model, config = load_model(tiny_model_dir, dtype="float32", device="cpu")
     pool = KVPool.for_model(config, num_blocks=32, block_size=block_size, dtype=torch.float32)
     prompts = _prompts(config.vocab_size, PROMPT_LENS)
     checks = prefill_then_decode(model, pool.kv_caches, prompts, block_size, num_blocks=32, decode_steps=3)
@@ -52,7 +52,7 @@ def test_ragged_prefill_and_decode_match_transformers(tiny_model_dir: Path, bloc
 def test_chunked_prefill_equals_one_shot(tiny_model_dir: Path) -> None:
     """A prompt split over two forwards (the second shared with another sequence's prefill and a
     third one's decode) gives the one-shot prefill's logits."""
-    model, config = load_model(tiny_model_dir, dtype="auto", device="cpu")
+    model, config = load_model(tiny_model_dir, dtype="float32", device="cpu")
     prompt, other, decoding = _prompts(config.vocab_size, [13, 6, 4], seed=2)
 
     one_shot_pool = KVPool.for_model(config, num_blocks=8, block_size=4, dtype=torch.float32)
@@ -104,7 +104,7 @@ def test_registry_names_supported_architectures() -> None:
 def test_triton_kernels_match_transformers(tiny_model_dir: Path) -> None:
     """The same model through the Triton kernels (Triton's interpreter on CPU)."""
     pytest.importorskip("triton")
-    model, config = load_model(tiny_model_dir, dtype="auto", device="cpu")
+    model, config = load_model(tiny_model_dir, dtype="float32", device="cpu")
     pool = KVPool.for_model(config, num_blocks=16, block_size=4, dtype=torch.float32)
     with kernels.use_backend("triton"):
         checks = prefill_then_decode(model, pool.kv_caches, _prompts(config.vocab_size, [6, 9]), 4, 16,

@@ -16,6 +16,7 @@ from pagedserve.worker.kv_pool import KVPool
 from pagedserve.worker.layers import narrow_loaded
 from pagedserve.worker.loader import (
     ModelNotFound,
+    cpu_has_native_bf16,
     iter_safetensors,
     load_model,
     load_tokenizer,
@@ -69,7 +70,7 @@ def test_gguf_converts_once_into_the_cache(tiny_gguf: tuple[Path, torch.nn.Modul
 
     tokenizer = load_tokenizer(folder)
     assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
-    model, config = load_model(folder)
+    model, config = load_model(folder, dtype="float32")
     assert config.architectures == ["LlamaForCausalLM"] and config.tie_word_embeddings
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids[0].tolist()
     pool = KVPool.for_model(config, num_blocks=8, block_size=4, dtype=torch.float32)
@@ -130,7 +131,10 @@ def test_safetensors_slices_read_only_the_shard(tiny_llama_dir: Path) -> None:
 def test_dtype_choice(tiny_llama_dir: Path) -> None:
     config = loader.load_config(tiny_llama_dir)
     config.dtype = torch.float32
-    assert resolve_dtype("auto", config, "cpu") == torch.float32
+    # CPU: bf16 only where the processor computes it natively (AMX or AVX512-BF16)
+    native = " avx512_bf16" in open("/proc/cpuinfo").read() or torch.cpu._is_amx_tile_supported()
+    assert cpu_has_native_bf16() is native
+    assert resolve_dtype("auto", config, "cpu") == (torch.bfloat16 if native else torch.float32)
     assert resolve_dtype("auto", config, "cuda:0") == torch.bfloat16
     config.dtype = "float16"
     assert resolve_dtype("auto", config, "cuda") == torch.float16

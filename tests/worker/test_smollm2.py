@@ -20,7 +20,7 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about paging.", "2
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_dir: Path) -> tuple[torch.nn.Module, object]:
-    return load_model(smollm2_dir, dtype="auto", device="cpu")
+    return load_model(smollm2_dir, dtype="float32", device="cpu")
 
 
 def _chat_ids(folder: Path, question: str) -> list[int]:

@@ -26,7 +26,7 @@ def _rank_main(rank: int, world_size: int, port: int, folders: list[str], out: s
     try:
         results = {}
         for folder in folders:
-            model, config = load_model(folder, tp_rank=rank, tp_size=world_size)
+            model, config = load_model(folder, dtype="float32", tp_rank=rank, tp_size=world_size)
             pool = KVPool.for_model(config, num_blocks=16, block_size=4, dtype=torch.float32,
                                     tp_size=world_size)
             results[folder] = prefill_then_decode(model, pool.kv_caches, PROMPTS, 4, 16, decode_steps=2)

@@ -1,0 +1,263 @@
+// Paged decode attention on CPU: one query token per sequence, KV read in place through the block
+// table (no gather into a workspace). The torch reference (reference.py) is its oracle.
+//
+// Layout (as reference.py): q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D];
+// block_tables int32 [B, max_blocks]; seq_lens int32 [B] (KV length including this token).
+// Query head h reads KV head h / (Hq / Hkv). Token positions p < seq_len are visible, and
+// p >= seq_len - window when window > 0. One task per sequence. Two passes over its keys (scores,
+// then the weighted sum of V), accumulated in fp32. A sequence with no visible key gets zeros.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const at::BFloat16* p, int64_t i) {
+  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float load(const at::Half* p, int64_t i) { return static_cast<float>(p[i]); }
+
+// A row of D values as fp32 into dst (the compiler vectorizes these loops).
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) dst[d] = load(src, d);
+}
+
+#if defined(__AVX512F__)
+// exp(x) for 16 floats: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2; relative error ~2e-7.
+inline __m512 exp512(__m512 x) {
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-88.3762626647949f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
+  r = _mm512_fnmadd_ps(n, ln2_lo, r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// Lane i of the result is the sum of the 16 lanes of v[i]: a shuffle tree, far cheaper than 16
+// separate horizontal sums (one per key, the cost that dominated the plain loop).
+inline __m512 hsum16(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+template <typename T>
+constexpr bool kVectorized = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>;
+
+// Scores of keys [t0, t1) of one block (at most 16) for every query head: q . k, 16 keys at once.
+template <typename T>
+inline void block_scores(const float* qf, const T* blk, int64_t first_row, int64_t t0, int64_t t1,
+                         int64_t start, int64_t n, int64_t Hkv, int64_t G, int64_t D, float* scores) {
+  const int64_t nc = D / 16, count = t1 - t0, row_stride = Hkv * D;
+  __m512 part[16];
+  for (int64_t h = 0; h < Hkv; ++h) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qh = qf + (h * G + g) * D;
+      for (int64_t i = 0; i < 16; ++i) {
+        if (i >= count) {
+          part[i] = _mm512_setzero_ps();
+          continue;
+        }
+        const T* k = blk + (first_row + i) * row_stride + h * D;
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qh), load16(k));
+        for (int64_t c = 1; c < nc; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c), load16(k + 16 * c), acc);
+        part[i] = acc;
+      }
+      const __mmask16 mask = count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
+      _mm512_mask_storeu_ps(scores + (h * G + g) * n + (t0 - start), mask, hsum16(part));
+    }
+  }
+}
+#else
+template <typename T>
+constexpr bool kVectorized = false;
+#endif
+
+// scores[i] <- exp(scores[i] - max); returns the sum.
+inline float exp_shifted(float* scores, int64_t n) {
+  float m = scores[0];
+  for (int64_t i = 1; i < n; ++i) m = std::max(m, scores[i]);
+  float sum = 0.0f;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 vsum = _mm512_setzero_ps();
+  const __m512 vm = _mm512_set1_ps(m);
+  for (; i + 16 <= n; i += 16) {
+    __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(scores + i), vm));
+    _mm512_storeu_ps(scores + i, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  sum = _mm512_reduce_add_ps(vsum);
+#endif
+  for (; i < n; ++i) {
+    scores[i] = std::exp(scores[i] - m);
+    sum += scores[i];
+  }
+  return sum;
+}
+
+// Ask for a block's rows ahead of use: blocks sit at random places in the pool, so the hardware
+// prefetcher, which follows streams within a page, cannot guess the next one.
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
+}
+
+template <typename T>
+void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out, double scale,
+            int64_t window) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), Hkv = k_cache.size(2);
+  const int64_t G = Hq / Hkv, max_blocks = block_tables.size(1);
+  const int64_t qs_b = q.stride(0), qs_h = q.stride(1);
+  const int64_t os_b = out.stride(0), os_h = out.stride(1);
+  const int64_t row_stride = Hkv * D, block_stride = bs * Hkv * D;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  T* op = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+
+  // One task per sequence: its blocks are read whole and in order (K, then V), every KV head of a
+  // token row at once, each K or V row widened once for the G query heads that read it.
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(Hq * D), acc(Hq * D), row(Hkv * D), scores, inv(Hq);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t len = lens[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - start;
+      if (n <= 0) {
+        for (int64_t h = 0; h < Hq; ++h)
+          for (int64_t d = 0; d < D; ++d) op[b * os_b + h * os_h + d] = T(0.0f);
+        continue;
+      }
+      for (int64_t h = 0; h < Hq; ++h) {
+        to_float(qp + b * qs_b + h * qs_h, qf.data() + h * D, D);
+        for (int64_t d = 0; d < D; ++d) qf[h * D + d] *= fscale;
+      }
+      scores.resize(Hq * n);
+      const int32_t* table = tables + b * max_blocks;
+      const int64_t first_block = start / bs, last_block = (len - 1) / bs;
+      auto block_at = [&](int64_t j) {
+        return std::min<int64_t>(std::max<int32_t>(table[j], 0), num_blocks - 1);
+      };
+      for (int pass = 0; pass < 2; ++pass) {
+        const T* cache = pass == 0 ? kp : vp;
+        if (pass == 1) std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t j = first_block; j <= last_block; ++j) {
+          const T* blk = cache + block_at(j) * block_stride;
+          if (j < last_block) prefetch(cache + block_at(j + 1) * block_stride, block_stride * sizeof(T));
+          const int64_t t0 = std::max(start, j * bs), t1 = std::min(len, (j + 1) * bs);
+#if defined(__AVX512F__)
+          if constexpr (kVectorized<T>) {
+            if (pass == 0 && D % 16 == 0 && D <= 256) {
+              for (int64_t c0 = t0; c0 < t1; c0 += 16)
+                block_scores(qf.data(), blk, c0 - j * bs, c0, std::min(t1, c0 + 16), start, n, Hkv, G, D,
+                             scores.data());
+              continue;
+            }
+          }
+#endif
+          for (int64_t t = t0; t < t1; ++t) {
+            to_float(blk + (t - j * bs) * row_stride, row.data(), Hkv * D);
+            for (int64_t hq = 0; hq < Hq; ++hq) {
+              const float* r = row.data() + (hq / G) * D;
+              if (pass == 0) {
+                const float* qh = qf.data() + hq * D;
+                float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                for (int64_t d = 0; d < D; ++d) s += qh[d] * r[d];
+                scores[hq * n + (t - start)] = s;
+              } else {
+                const float p = scores[hq * n + (t - start)];
+                float* ah = acc.data() + hq * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; ++d) ah[d] += p * r[d];
+              }
+            }
+          }
+        }
+        if (pass == 0)
+          for (int64_t hq = 0; hq < Hq; ++hq) inv[hq] = 1.0f / exp_shifted(scores.data() + hq * n, n);
+      }
+      for (int64_t hq = 0; hq < Hq; ++hq)
+        for (int64_t d = 0; d < D; ++d) op[b * os_b + hq * os_h + d] = T(acc[hq * D + d] * inv[hq]);
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                        int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(), "bad strides");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_tables and seq_lens must be int32");
+  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(), "tables must be contiguous");
+  at::Tensor out = at::empty_like(q, q.options().memory_format(at::MemoryFormat::Contiguous));
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      decode<float>(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window);
+      break;
+    case at::kBFloat16:
+      decode<at::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window);
+      break;
+    case at::kHalf:
+      decode<at::Half>(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window);
+      break;
+    default:
+      TORCH_CHECK(false, "paged_decode: unsupported dtype ", q.scalar_type());
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention over KV read in place (CPU)");
+}

@@ -1,0 +1,63 @@
+"""The CPU serving path (C++ decode attention over KV read in place) against the independent oracle
+(attention over contiguous KV) and the torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve import kernels
+from pagedserve.kernels import cpu, reference
+from tests.kernels.batches import TOLERANCE, contiguous_attention, make_batch, max_error
+
+pytestmark = pytest.mark.skipif(cpu.extension() is None, reason="the C++ CPU kernel could not be built")
+
+# decodes of many lengths (partial blocks, one token, a long context), mixed with prefill chunks
+MIXED = [(1, 1), (37, 1), (300, 1), (64, 64), (190, 45), (129, 2), (0, 0), (77, 1), (17, 1)]
+DECODE = [(1, 1), (16, 1), (17, 1), (250, 1), (513, 1), (0, 1), (33, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (16, 2), (8, 1)], ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("block_size", [8, 16, 64])
+def test_matches_contiguous(dtype, heads, head_dim, block_size) -> None:
+    batch = make_batch(MIXED, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
+                       block_size=block_size, dtype=dtype, share={7: 2, 3: 2})  # fmt: skip
+    out = cpu.paged_attention(*batch.args(), scale=head_dim**-0.5, max_query_len=64)
+    assert out.dtype == dtype and out.shape == batch.query.shape
+    assert max_error(out, contiguous_attention(batch, scale=head_dim**-0.5)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 1, 5, 16, 100])
+def test_decode_only_steps_and_sliding_windows(dtype, window) -> None:
+    batch = make_batch(DECODE, num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype)
+    out = cpu.paged_attention(*batch.args(), scale=0.125, sliding_window=window, max_query_len=1)
+    expected = contiguous_attention(batch, scale=0.125, sliding_window=window)
+    assert max_error(out, expected) < TOLERANCE[dtype]
+    assert torch.equal(out[5], torch.zeros_like(out[5])), "a sequence with no key gives zeros"
+    ref = reference.paged_attention(*batch.args(), scale=0.125, sliding_window=window)
+    assert max_error(out, ref) < TOLERANCE[dtype]
+
+
+def test_table_padding_past_the_last_block_is_never_read() -> None:
+    batch = make_batch([(20, 1), (3, 1)], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16)
+    tables = batch.block_tables.clone()
+    tables[1, 1:] = 10**6  # garbage past the sequence's one block
+    args = list(batch.args())
+    args[3] = tables
+    out = cpu.paged_attention(*args, scale=0.125, max_query_len=1)
+    assert max_error(out, contiguous_attention(batch, scale=0.125)) < 2e-5
+
+
+def test_cpu_tensors_dispatch_to_the_cpu_path(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(cpu, "paged_decode", lambda *a: calls.append(1) or reference.paged_attention(
+        a[0], a[1], a[2], a[3], a[4], torch.arange(a[0].shape[0] + 1, dtype=torch.int32), scale=a[5]))
+    batch = make_batch([(5, 1), (9, 1)], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16)
+    kernels.paged_attention(*batch.args(), scale=0.125, max_query_len=1)
+    assert calls, "auto on CPU runs the C++ decode"
+    with kernels.use_backend("torch"):
+        kernels.paged_attention(*batch.args(), scale=0.125, max_query_len=1)
+    assert len(calls) == 1, "the torch backend is the pure reference"
