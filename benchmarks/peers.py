@@ -189,6 +189,7 @@ def main() -> None:
     args = parser.parse_args()
     if "vllm" in args.servers and not (PEERS_BIN / "vllm").exists():
         sys.exit("benchmarks/peers.py: .venv-peers has no vllm; run `make bench-peers`")
+    args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     model = model_folder()
     flags = cpu_flags()

@@ -33,6 +33,7 @@ from pagedserve.worker.models.llama import head_dim_of
 
 logger = logging.getLogger(__name__)
 
+SINGLE_THREAD_MAX_TOKENS = 8  # CPU steps of at most this many tokens run on one thread
 CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB: ~1,450 blocks of 16 tokens for SmolLM2-135M in fp32
 
 
@@ -67,6 +68,7 @@ class Worker:
         self.dtype = next(self.model.parameters()).dtype
         if self.device.type == "cpu":
             prepack_linear_weights(self.model)
+        self.max_threads = torch.get_num_threads()
         self.eos_token_ids = tuple(eos_token_ids)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
         self.states: dict[str, _SeqState] = {}
@@ -153,6 +155,8 @@ class Worker:
         if not plan.seqs:
             return StepOutput([])
         t0 = time.perf_counter()
+        if self.device.type == "cpu":
+            self._size_threads(plan.num_tokens)
         tables = [self._update_state(s) for s in plan.seqs]
         meta = _metadata(plan.seqs, tables, self.block_size, self.device)
         input_ids = torch.tensor(
@@ -169,6 +173,17 @@ class Worker:
             self._sample(rows, row_ids, logits, output)
         output.timings = [t1 - t0, t2 - t1, time.perf_counter() - t2]
         return output
+
+    def _size_threads(self, num_tokens: int) -> None:
+        """One thread for a step of few tokens, all of them for larger ones (CPU).
+
+        With OMP_WAIT_POLICY=PASSIVE each of a step's ~600 parallel regions wakes the sleeping
+        threads. SmolLM2 bf16 decode steps, one thread against two: batch 2 19.7 / 26.3 ms, batch 8
+        26.3 / 29.3 ms, batch 16 38.0 / 31.8 ms; prefill ran 1.7x faster on two.
+        """
+        threads = 1 if num_tokens <= SINGLE_THREAD_MAX_TOKENS else self.max_threads
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
 
     def _update_state(self, s: ScheduledSeq) -> list[int]:
         state = self.states.get(s.req_id)
