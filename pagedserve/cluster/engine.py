@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -430,12 +430,16 @@ class AsyncEngine:
             loop, stream = target
             loop.call_soon_threadsafe(stream.put_nowait, item)
 
-    def _apply_commands(self) -> None:
+    def _queued_commands(self) -> Iterator[tuple]:
+        """The commands queued for the loop thread, taken off the queue one by one."""
         while True:
             try:
-                cmd = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _apply_commands(self) -> None:
+        for cmd in self._queued_commands():
             if cmd[0] == "add":
                 _, request_id, prompt, params, kwargs = cmd
                 if request_id not in self._streams:
@@ -498,11 +502,7 @@ class AsyncEngine:
                 delay = min(2 * delay, 30.0)
 
     def _fail_queued(self, message: str) -> None:
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for cmd in self._queued_commands():
             if cmd[0] == "add":
                 self._deliver(cmd[1], RankFailure(message))
 
