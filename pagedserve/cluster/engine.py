@@ -469,9 +469,9 @@ class AsyncEngine:
                 continue
             except Exception as exc:  # a step failure fails the running requests, not the replica
                 logger.exception("engine step failed")
-                for request_id in list(engine._groups):
-                    engine.abort_request(request_id)
-                    self._deliver(request_id, RuntimeError(f"engine step failed: {exc}"))
+                message = f"engine step failed: {exc}"
+                for out in engine.fail_all(message):
+                    self._deliver(out.request_id, RuntimeError(message))
                 continue
             for out in outputs:
                 self._deliver(out.request_id, out)

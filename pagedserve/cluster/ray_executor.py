@@ -69,7 +69,6 @@ class RayExecutor:
         self._transport = None
         self._local = True  # every rank on this process's node
         self._pool_args: tuple[int, int, int] | None = None
-        self.num_restarts = 0
         self.last_step_s = self.last_rank_s = 0.0
         self._start()
 
@@ -95,7 +94,7 @@ class RayExecutor:
     def _start(self) -> None:
         actor = ray.remote(RankActor)
         self.ranks = [
-            actor.options(**self._rank_options(r)).remote(r, self.tp_size, None) for r in range(self.tp_size)
+            actor.options(**self._rank_options(r)).remote(r, self.tp_size) for r in range(self.tp_size)
         ]
         where = ray.get([r.placement.remote() for r in self.ranks], timeout=START_TIMEOUT_S)
         self.pids = ray.get([r.pid.remote() for r in self.ranks], timeout=START_TIMEOUT_S)
@@ -157,7 +156,6 @@ class RayExecutor:
         self._start()
         if self._pool_args is not None:
             self.init_kv_pool(*self._pool_args)
-        self.num_restarts += 1
 
     def shutdown(self) -> None:
         if self.ranks:

@@ -49,30 +49,27 @@ def _backend(t: Tensor) -> str:
     return name
 
 
-def _attention_module(t: Tensor) -> ModuleType:
+def _module(t: Tensor, family: str) -> ModuleType:
+    """The module implementing an op family ("attention" or "cache") for t's backend: Triton's
+    attention.py or cache.py, the CPU path (both families) or the reference (both families)."""
     backend = _backend(t)
     if backend == "triton":
-        from pagedserve.kernels import attention
+        from pagedserve.kernels import attention, cache
 
-        return attention
+        return attention if family == "attention" else cache
     if backend == "cpu":
         from pagedserve.kernels import cpu
 
         return cpu
     return reference
+
+
+def _attention_module(t: Tensor) -> ModuleType:
+    return _module(t, "attention")
 
 
 def _cache_module(t: Tensor) -> ModuleType:
-    backend = _backend(t)
-    if backend == "triton":
-        from pagedserve.kernels import cache
-
-        return cache
-    if backend == "cpu":
-        from pagedserve.kernels import cpu
-
-        return cpu
-    return reference
+    return _module(t, "cache")
 
 
 def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:

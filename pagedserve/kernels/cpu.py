@@ -106,10 +106,10 @@ def paged_attention(
     layout = reference._layout(block_tables, seq_lens, query_start_loc, k_cache)
     out = torch.empty_like(query)
     if layout.decode:
-        rows, index = layout.decode_rows, layout.decode_index
-        o = paged_decode(query.index_select(0, rows), k_cache, v_cache, block_tables.index_select(0, index),
-                         seq_lens.index_select(0, index), scale, sliding_window)  # fmt: skip
-        out.index_copy_(0, rows, o)
+        tables, lens = layout.decode_tables  # derived once per step, not once per layer
+        rows = layout.decode_rows
+        out.index_copy_(0, rows, paged_decode(query.index_select(0, rows), k_cache, v_cache, tables, lens,
+                                              scale, sliding_window))  # fmt: skip
     for b in layout.extends:
         rows = slice(layout.starts[b], layout.starts[b] + layout.q_lens[b])
         out[rows] = reference._extend(query[rows], k_cache, v_cache, layout, b, scale, sliding_window)

@@ -7,6 +7,8 @@ offset s % block_size. A sequence's block table lists its physical blocks in log
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -79,13 +81,21 @@ class _Layout:
         self.extends = [b for b, n in enumerate(self.q_lens) if n > 1]
         self._windows: dict[tuple, object] = {}
         if self.decode:
-            self.decode_index = torch.tensor(self.decode, device=device)
             self.decode_rows = torch.tensor([self.starts[b] for b in self.decode], device=device)
             lens = [self.lens[b] for b in self.decode]
             self.decode_nb = max(1, -(-max(lens) // block_size))
             self.decode_len = self.decode_nb * block_size
-            self.decode_gather = self.gather_rows(self.tables[self.decode, : self.decode_nb])
             self.decode_lens = torch.tensor(lens, device=device)[:, None]
+
+    @functools.cached_property
+    def decode_gather(self) -> Tensor:
+        """Gather rows of the decode sequences' KV (the reference's decode; the C++ path reads in place)."""
+        return self.gather_rows(self.tables[self.decode, : self.decode_nb])
+
+    @functools.cached_property
+    def decode_tables(self) -> tuple[Tensor, Tensor]:
+        """(int32 block tables, int32 lengths) of the decode sequences alone, for the C++ kernel."""
+        return self.tables[self.decode].int(), self.decode_lens[:, 0].int()
 
     def gather_rows(self, blocks: Tensor) -> Tensor:
         """Rows of the [slots * H, D] view of a pool holding blocks' KV as [B, H, n * block_size, D]."""

@@ -30,13 +30,9 @@ def free_port() -> int:
 class RankActor:
     """The actor body of one rank (wrapped with ``ray.remote`` by the executor)."""
 
-    def __init__(self, rank: int, world_size: int, num_threads: int | None = None) -> None:
-        import torch
-
+    def __init__(self, rank: int, world_size: int) -> None:
+        # torch's threads come from OMP_NUM_THREADS, set in the actor's runtime env by the executor
         self.rank, self.world_size = rank, world_size
-        if num_threads:
-            # OMP_NUM_THREADS (set in the actor's runtime env) sizes OpenMP's pool; this sizes torch's
-            torch.set_num_threads(num_threads)
         self.worker = None
 
     def placement(self) -> tuple[str, str, int]:
