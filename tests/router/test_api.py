@@ -436,8 +436,16 @@ def test_disconnect_aborts_and_frees_blocks(http: httpx2.Client, server: Server)
             received += line.startswith("data: ")
             if received == 3:
                 break  # leave with ~400 tokens still to generate
-    after = wait_until_idle(http, timeout=15)
-    generated = total(after, "pagedserve:generation_tokens", "pagedserve:generation_tokens_total") - before
+    # Replicas publish their figures every ~0.1 s, and three tokens can take less than that: an idle
+    # snapshot may predate this request. Wait for one that counts the tokens the client received.
+    deadline = time.monotonic() + 15
+    while True:
+        after = wait_until_idle(http, timeout=15)
+        counted = total(after, "pagedserve:generation_tokens", "pagedserve:generation_tokens_total")
+        generated = counted - before
+        if generated >= 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert 3 <= generated < 400  # the request was aborted, not run to the end
 
 
