@@ -6,7 +6,7 @@
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "EngineConfig"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "EngineConfig"]
 
 
 def __getattr__(name: str) -> Any:
@@ -19,6 +19,10 @@ def __getattr__(name: str) -> Any:
         from pagedserve.sampling import SamplingParams
 
         return SamplingParams
+    if name == "BeamSearchParams":
+        from pagedserve.sampling import BeamSearchParams
+
+        return BeamSearchParams
     if name == "EngineConfig":
         from pagedserve.config import EngineConfig
 

@@ -67,6 +67,7 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     scheduling_policy: str = "fcfs"  # or "priority": lower value first, then arrival
     watermark: float = 0.01  # fraction of blocks kept free at admission, against preemption thrash
+    max_beam_width: int = 16  # widest beam search a request may ask for (also capped by max_num_seqs)
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs > 0, "--max-num-seqs must be positive")
@@ -78,6 +79,7 @@ class SchedulerConfig:
             self.scheduling_policy in ("fcfs", "priority"), "--scheduling-policy must be fcfs or priority"
         )
         _require(0 <= self.watermark < 1, "--watermark must be in [0, 1)")
+        _require(self.max_beam_width >= 1, "--max-beam-width must be >= 1")
 
 
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")

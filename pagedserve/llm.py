@@ -6,9 +6,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedserve.cluster.engine import Engine, EngineStats, Prompt, run_to_completion
-from pagedserve.cluster.outputs import RequestOutput
+from pagedserve.cluster.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedserve.config import EngineConfig
-from pagedserve.sampling import SamplingParams
+from pagedserve.sampling import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -82,6 +82,27 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
         return [finals[i] for i in ids]
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, *, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search: the ``beam_width`` best beams of each prompt, best first.
+
+        It runs inside the engine (beams share KV blocks), with transformers' scoring and
+        stopping rules; ``generate`` with ``SamplingParams(use_beam_search=True, ...)`` is the same.
+        """
+        outputs = self.generate(prompts, params.to_sampling_params())
+        tok = self.engine.tokenizer
+        results = []
+        for out in outputs:
+            sequences = []
+            for o in out.outputs:
+                tokens = [*out.prompt_token_ids, *o.token_ids]
+                text = tok.decode(tokens, skip_special_tokens=params.skip_special_tokens)
+                sequences.append(BeamSearchSequence(tokens, [], o.cumulative_logprob or 0.0, text,
+                                                    o.finish_reason, o.stop_reason))  # fmt: skip
+            results.append(BeamSearchOutput(sequences))
+        return results
 
     def chat(
         self,

@@ -22,7 +22,9 @@ class ScheduledSeq:
     new_blocks: list[int]
     sample: bool  # this step reaches the end of the known tokens: sample the next one
     fork_ids: list[str] = field(default_factory=list)  # parallel samples drawn from this row too
-    new: dict | None = None  # first sight for the workers: {"prompt_token_ids", "params"}
+    # first sight for the workers: {"prompt_token_ids", "params"}, or {"fork_of": beam id} for a
+    # beam that continues another (same params; its whole table comes in new_blocks)
+    new: dict | None = None
 
 
 @dataclass(slots=True)
@@ -71,11 +73,13 @@ class StepOutput:
     # req_id -> entries for prompt tokens scored this step: (token, logprob, rank, top_ids, top_logprobs)
     prompt_logprobs: dict[str, list[list]] = field(default_factory=dict)
     timings: list[float] = field(default_factory=list)  # seconds: [prepare inputs, model, sample]
+    # beam id -> [top token ids, their logprobs], best first: each beam-search row's candidates
+    beam_candidates: dict[str, list[list]] = field(default_factory=dict)
 
     def to_wire(self) -> list:
         return [[[s.req_id, s.token_id, s.logprob, s.rank, s.top_ids, s.top_logprobs] for s in self.sampled],
-                self.prompt_logprobs, self.timings]  # fmt: skip
+                self.prompt_logprobs, self.timings, self.beam_candidates]  # fmt: skip
 
     @classmethod
     def from_wire(cls, wire: list) -> StepOutput:
-        return cls([SampledToken(*s) for s in wire[0]], wire[1], wire[2])
+        return cls([SampledToken(*s) for s in wire[0]], wire[1], wire[2], wire[3])

@@ -30,6 +30,7 @@ from torch import Tensor
 SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit and vLLM's default --max-logprobs
 MAX_NUM_SEQUENCES = 128  # OpenAI's limit on n
+EARLY_STOPPING = (False, True, "never")  # transformers' beam-search stopping rules
 Device = torch.device | str
 _SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF  # torch.Generator.manual_seed takes 64-bit seeds
 # top_p looks for its nucleus among the best 64, then 1024 tokens (a partial sort, topk); only
@@ -104,6 +105,11 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per generated token (the sampled one always)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Beam search (vLLM's and transformers' names): width = beam_width, else best_of, else n.
+    use_beam_search: bool = False
+    beam_width: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n, 1, MAX_NUM_SEQUENCES)
@@ -148,10 +154,55 @@ class SamplingParams:
             self.logprobs = _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
             self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        _bool("use_beam_search", self.use_beam_search)
+        self.length_penalty = _float("length_penalty", self.length_penalty)
+        if self.early_stopping not in EARLY_STOPPING or not isinstance(self.early_stopping, (bool, str)):
+            raise SamplingParamsError(
+                "early_stopping", f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}"
+            )
+        if self.beam_width is not None:
+            self.beam_width = _int("beam_width", self.beam_width, 1, MAX_NUM_SEQUENCES)
+        if self.use_beam_search:
+            self._check_beam_search()
+            return
+        for name, neutral in (("beam_width", None), ("length_penalty", 1.0), ("early_stopping", False)):
+            if getattr(self, name) != neutral:
+                raise SamplingParamsError(name, f"{name} needs use_beam_search=true")
         if self.is_greedy and (self.n > 1 or (self.best_of or 1) > 1):
             # As vLLM: greedy copies would all be identical.
             param = "n" if self.n > 1 else "best_of"
             raise SamplingParamsError(param, f"{param} must be 1 when temperature is 0 (greedy sampling)")
+
+    def _check_beam_search(self) -> None:
+        """Beam search is deterministic: it refuses the options of sampling, naming the first one set."""
+        width = self.width
+        if self.beam_width is not None and self.best_of is not None and self.best_of != self.beam_width:
+            raise SamplingParamsError(
+                "best_of", f"best_of ({self.best_of}) and beam_width ({self.beam_width}) disagree; give one"
+            )
+        if self.n > width:
+            raise SamplingParamsError("n", f"n ({self.n}) must be <= the beam width ({width})")
+        refused = (
+            ("temperature", not self.is_greedy, "0"), ("top_p", self.top_p != 1.0, "1"),
+            ("top_k", self.top_k != 0, "-1 (off)"), ("min_p", self.min_p != 0.0, "0"),
+            ("seed", self.seed is not None, "unset"),
+            ("presence_penalty", self.presence_penalty != 0.0, "0"),
+            ("frequency_penalty", self.frequency_penalty != 0.0, "0"),
+            ("repetition_penalty", self.repetition_penalty != 1.0, "1"),
+            ("min_tokens", self.min_tokens != 0, "0"), ("stop", bool(self.stop), "empty (use stop_token_ids)"),
+            ("logprobs", self.logprobs is not None, "unset"),
+            ("prompt_logprobs", self.prompt_logprobs is not None, "unset"),
+        )  # fmt: skip
+        for name, is_set, allowed in refused:
+            if is_set:
+                raise SamplingParamsError(name, f"beam search is deterministic: {name} must be {allowed}")
+
+    @property
+    def width(self) -> int:
+        """The beam width of a beam search (beam_width, else best_of, else n); 1 otherwise."""
+        if not self.use_beam_search:
+            return 1
+        return self.beam_width or self.best_of or self.n
 
     def _normalize_stops(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -187,6 +238,43 @@ class SamplingParams:
         """The params of parallel sample ``index`` of an n > 1 request: n=1 and, when seeded, seed + index."""
         seed = None if self.seed is None else self.seed + index
         return SamplingParams.from_dict({**self.to_dict(), "seed": seed, "n": 1, "best_of": None})
+
+
+@dataclass(slots=True, kw_only=True)
+class BeamSearchParams:
+    """vLLM's ``LLM.beam_search`` parameters (plus transformers' ``early_stopping``)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0  # beam search here is deterministic: only 0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def to_sampling_params(self) -> SamplingParams:
+        """The engine's form; raises SamplingParamsError naming a bad value."""
+        return SamplingParams(
+            use_beam_search=True, beam_width=self.beam_width, n=self.beam_width, max_tokens=self.max_tokens,
+            ignore_eos=self.ignore_eos, temperature=self.temperature, length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping, include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+        )  # fmt: skip
+
+
+def beam_stop_token_ids(params: SamplingParams, eos_token_ids: Sequence[int]) -> frozenset[int]:
+    """The tokens that end a beam: EOS (unless ignore_eos) and the request's stop_token_ids."""
+    return frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else eos_token_ids)
+
+
+def num_beam_candidates(params: SamplingParams, eos_token_ids: Sequence[int]) -> int:
+    """How many top tokens each beam's row returns: K = max(2, 1 + stop tokens) x width.
+
+    With that many, at least W candidates of the group's best K do not stop (each stop token
+    appears at most once per beam), so W beams always live on.
+    """
+    return max(2, 1 + len(beam_stop_token_ids(params, eos_token_ids))) * params.width
 
 
 def _copy_plain(value: Any) -> Any:

@@ -93,6 +93,10 @@ def test_defaults_match_vllm() -> None:
         "logprobs": None,
         "prompt_logprobs": None,
         "skip_special_tokens": True,
+        "use_beam_search": False,  # vLLM's old beam-search fields (and transformers' early_stopping)
+        "beam_width": None,
+        "length_penalty": 1.0,
+        "early_stopping": False,
     }
     assert not SamplingParams().is_greedy and SamplingParams(temperature=0).is_greedy
 

@@ -163,6 +163,7 @@ class BlockManager:
         self.seqs: dict[RequestId, _Seq] = {}
         self.num_host_blocks = num_host_blocks
         self.host_free: list[int] = list(range(num_host_blocks - 1, -1, -1))
+        self.host_ref_count = [0] * num_host_blocks  # swapped-out tables holding each host block
         self.prefix_queries = 0
         self.prefix_hits = 0
         self._live_slots = 0
@@ -400,7 +401,13 @@ class BlockManager:
         seq = self.seqs.pop(req_id)
         self._release(seq.table)
         if seq.host_table is not None:
-            self.host_free.extend(seq.host_table)
+            self._release_host(seq.host_table)
+
+    def _release_host(self, host_table: list[int]) -> None:
+        for host_id in host_table:
+            self.host_ref_count[host_id] -= 1
+            if self.host_ref_count[host_id] == 0:
+                self.host_free.append(host_id)
 
     def fork(self, parent_id: RequestId, child_id: RequestId) -> None:
         """The child shares every block of the parent (parallel samples); writes will copy."""
@@ -417,38 +424,80 @@ class BlockManager:
         )
 
     # ---- swapping ------------------------------------------------------------------------
+    #
+    # Requests swap out and in together as a group (a beam group's beams, or a single request):
+    # a block several of them share moves once and is shared again when it returns.
 
     def swap_out(self, req_id: RequestId) -> list[tuple[int, int]] | None:
         """Move the request's blocks to the host pool; returns (device, host) copies, or None if short."""
-        seq = self.seqs[req_id]
-        if len(seq.table) > len(self.host_free):
+        return self.swap_out_group([req_id])
+
+    def swap_out_group(self, req_ids: Sequence[RequestId]) -> list[tuple[int, int]] | None:
+        """Move the requests' blocks to the host pool, each shared block once; returns the
+        (device, host) copies, or None (nothing changed) when the host pool is short."""
+        seqs = [self.seqs[r] for r in req_ids]
+        unique = list(dict.fromkeys(b for seq in seqs for b in seq.table))
+        if len(unique) > len(self.host_free):
             return None
-        seq.host_table = [self.host_free.pop() for _ in seq.table]
-        mapping = list(zip(seq.table, seq.host_table))
-        self._release(seq.table)
-        seq.table = []
-        return mapping
+        to_host = {block_id: self.host_free.pop() for block_id in unique}
+        for seq in seqs:
+            seq.host_table = [to_host[b] for b in seq.table]
+            for host_id in seq.host_table:
+                self.host_ref_count[host_id] += 1
+            self._release(seq.table)
+            seq.table = []
+        # The workers swap out before they copy: a copy-on-write decided this step into a block
+        # that now leaves is moot, and the block's content is its source's.
+        pending = {dst: src for src, dst in self._copies}
+        moved = {dst for dst in pending if dst in to_host}
+        if moved:
+            self._copies = [(src, dst) for src, dst in self._copies if dst not in moved]
+        return [(pending[b] if b in moved else b, h) for b, h in to_host.items()]
+
+    def _unique_host_blocks(self, req_ids: Sequence[RequestId]) -> list[int]:
+        tables = [self.seqs[r].host_table for r in req_ids]
+        assert all(t is not None for t in tables), f"not all of {list(req_ids)!r} are swapped out"
+        return list(dict.fromkeys(h for t in tables for h in t))  # type: ignore[union-attr]
 
     def can_swap_in(self, req_id: RequestId, extra_blocks: int = 0) -> bool:
-        seq = self.seqs[req_id]
-        assert seq.host_table is not None
-        return len(seq.host_table) + extra_blocks <= len(self.free_queue)
+        return self.can_swap_in_group([req_id], extra_blocks)
+
+    def can_swap_in_group(self, req_ids: Sequence[RequestId], extra_blocks: int = 0) -> bool:
+        return len(self._unique_host_blocks(req_ids)) + extra_blocks <= len(self.free_queue)
 
     def swap_in(self, req_id: RequestId) -> list[tuple[int, int]] | None:
         """Bring a swapped-out request back; returns (host, device) copies, or None if short."""
-        seq = self.seqs[req_id]
-        assert seq.host_table is not None, f"request {req_id!r} is not swapped out"
-        if len(seq.host_table) > len(self.free_queue):
+        return self.swap_in_group([req_id])
+
+    def swap_in_group(self, req_ids: Sequence[RequestId]) -> list[tuple[int, int]] | None:
+        """Bring swapped-out requests back, sharing again what they shared; returns the
+        (host, device) copies, or None (nothing changed) when the device pool is short."""
+        unique = self._unique_host_blocks(req_ids)
+        if len(unique) > len(self.free_queue):
             return None
-        seq.table = [self._take_free_block().block_id for _ in seq.host_table]
-        mapping = list(zip(seq.host_table, seq.table))
-        self.host_free.extend(seq.host_table)
-        seq.host_table = None
-        self._fill(seq.table, 0, seq.num_tokens)
-        seq.num_registered = 0
-        if self.enable_prefix_caching:
-            self._register_full_blocks(seq, ())  # hashes are all known: no tokens needed
-        return mapping
+        to_device = {host_id: self._take_free_block() for host_id in unique}
+        filled: set[int] = set()
+        for req_id in req_ids:
+            seq = self.seqs[req_id]
+            host_table = seq.host_table
+            assert host_table is not None
+            seq.table = [to_device[h].block_id for h in host_table]
+            bs = self.block_size
+            for i, host_id in enumerate(host_table):
+                block = to_device[host_id]
+                if host_id in filled:
+                    block.ref_count += 1
+                else:  # the first holder brings the block's content (shared blocks fill alike)
+                    filled.add(host_id)
+                    n = max(0, min(bs, seq.num_tokens - i * bs))
+                    block.num_tokens = n
+                    self._live_slots += n
+            self._release_host(host_table)
+            seq.host_table = None
+            seq.num_registered = 0
+            if self.enable_prefix_caching:
+                self._register_full_blocks(seq, ())  # hashes are all known: no tokens needed
+        return [(h, to_device[h].block_id) for h in unique]
 
     def is_swapped(self, req_id: RequestId) -> bool:
         return self.seqs[req_id].host_table is not None

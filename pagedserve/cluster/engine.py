@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.cluster.beam import BeamGroup, BeamSearch
 from pagedserve.cluster.block_manager import BlockManager
 from pagedserve.cluster.executor import Executor, RankFailure, make_executor
 from pagedserve.cluster.outputs import (
@@ -30,7 +31,7 @@ from pagedserve.cluster.request import Request, RequestStatus
 from pagedserve.cluster.scheduler import Scheduler
 from pagedserve.config import ConfigError, EngineConfig
 from pagedserve.plan import StepOutput, StepPlan
-from pagedserve.sampling import SamplingParams
+from pagedserve.sampling import SamplingParams, SamplingParamsError
 from pagedserve.worker.loader import check_tensor_parallel, load_config, load_tokenizer, resolve_model
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,12 @@ class EngineStats:
     generation_tokens: int
     num_steps: int
     num_group_restarts: int = 0  # tensor-parallel groups rebuilt after a rank failed
+    # Beam search: blocks the live beams' tables name, and the distinct blocks they hold (sharing
+    # makes the second smaller); now, and summed over every step since the start.
+    beam_blocks_logical: int = 0
+    beam_blocks_physical: int = 0
+    beam_block_steps_logical: int = 0
+    beam_block_steps_physical: int = 0
     step_time: dict[str, float] = field(default_factory=dict)  # seconds: schedule, model, sample, other
 
 
@@ -106,6 +113,8 @@ class Engine:
         self._new_scheduler()
         self._lost_events: list[tuple[str, list[int]]] = []  # of a block manager dropped by recover()
         self._groups: dict[str, Request] = {}  # request id -> its first sample (holds the others)
+        self._beam_groups: dict[str, BeamGroup] = {}  # beam searches whose beams are reporting
+        self._beam_block_steps = [0, 0]  # logical, physical
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
         self.prompt_tokens = 0
@@ -188,10 +197,23 @@ class Engine:
             request_id, token_ids, params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
             priority=priority, arrival_time=arrival_time, extra_keys=(cache_salt,) if cache_salt else (),
         )  # fmt: skip
+        if params.use_beam_search:
+            self._check_beam_width(params)
+            req.beam_group = BeamGroup(req, BeamSearch(params, self.eos_token_ids, max_tokens))
         self.scheduler.add_request(req)
         self._groups[request_id] = req
         self._prompts[request_id] = text
         return req
+
+    def _check_beam_width(self, params: SamplingParams) -> None:
+        sc = self.config.scheduler
+        limit = min(sc.max_beam_width, sc.max_num_seqs)
+        if params.width > limit:
+            param = "beam_width" if params.beam_width else ("best_of" if params.best_of else "n")
+            raise SamplingParamsError(
+                param, f"the beam width must be <= {limit} (--max-beam-width {sc.max_beam_width}, "
+                f"--max-num-seqs {sc.max_num_seqs}), got {params.width}"
+            )  # fmt: skip
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request and all its samples now; its blocks return to the pool."""
@@ -220,6 +242,10 @@ class Engine:
         outputs = self._update(plan, result)
         t3 = time.perf_counter()
         self.num_steps += 1
+        if self._beam_groups:
+            logical, physical = self._beam_blocks()
+            self._beam_block_steps[0] += logical
+            self._beam_block_steps[1] += physical
         _, model, sample = result.timings or (0.0, 0.0, 0.0)  # input preparation lands in other
         self._time["schedule"] += (t1 - t0) + (t3 - t2)
         self._time["model"] += model
@@ -264,7 +290,70 @@ class Engine:
                 outputs.append(self._finish_group(root))
             else:
                 outputs.append(self._output(root))
+        for req_id, (ids, logprobs) in result.beam_candidates.items():
+            req = requests.get(req_id)
+            if req is not None:  # else aborted while its step ran
+                req.beam_candidates = (ids, logprobs)
+                self._beam_groups[req.beam_group.root.request_id] = req.beam_group
+        for group in list(self._beam_groups.values()):
+            # A group advances once every live beam has reported and is running (a preempted
+            # beam reports again after its re-prefill; a swapped one once it is back).
+            if all(b.beam_candidates is not None and b.status is RequestStatus.RUNNING for b in group.beams):
+                out = self._advance_beams(group, now)
+                if out is not None:
+                    outputs.append(out)
         return outputs
+
+    def _advance_beams(self, group: BeamGroup, now: float) -> RequestOutput | None:
+        """One beam-search step of a group: its beams fork, continue or drop; the final output
+        when the search ends (a beam search returns nothing before it is done)."""
+        root, beams, finish = group.root, group.beams, self.scheduler.finish_request
+        candidates = [b.beam_candidates for b in beams]
+        for b in beams:
+            b.beam_candidates = None
+        if root.first_token_time is None:
+            self.prompt_tokens += root.num_prompt_tokens
+            root.first_token_time = now
+        root.last_token_time = now
+        self.generation_tokens += len(beams)
+        continuations = group.search.advance([b.output_token_ids for b in beams], group.scores, candidates)
+        if group.search.done:
+            for b in beams:
+                finish(b, RequestStatus.FINISHED_STOPPED)
+            return self._finish_group(root)
+        # Forks first, while each parent still holds exactly its blocks; then every beam appends.
+        new_beams: list[Request] = []
+        continued: set[int] = set()
+        for c in continuations:
+            parent = beams[c.parent]
+            if c.parent in continued:
+                child = parent.fork_beam(group.next_beam_id())
+                self.scheduler.add_beam(parent, child)
+                new_beams.append(child)
+            else:
+                continued.add(c.parent)
+                new_beams.append(parent)
+        for i, b in enumerate(beams):
+            if i not in continued:
+                finish(b, RequestStatus.FINISHED_STOPPED)  # dropped: its blocks go back at once
+        for b, c in zip(new_beams, continuations):
+            b.append_token(c.token_id)
+        group.beams = new_beams
+        group.scores = [c.score for c in continuations]
+        root.samples = list(new_beams)
+        return None
+
+    def _beam_blocks(self) -> tuple[int, int]:
+        """Block-table entries of the running beams, and the distinct blocks among them."""
+        logical, physical = 0, set()
+        bm = self.block_manager
+        for group in self._beam_groups.values():
+            for b in group.beams:
+                if b.request_id in bm and not bm.is_swapped(b.request_id):
+                    table = bm.block_table(b.request_id)
+                    logical += len(table)
+                    physical.update(table)
+        return logical, len(physical)
 
     def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
         params = req.params
@@ -292,6 +381,8 @@ class Engine:
         return None
 
     def _output(self, root: Request) -> RequestOutput:
+        if root.beam_group is not None:
+            return self._beam_output(root)
         outs = []
         for i, sample in enumerate(root.samples):
             detok = self._detok.get(sample.request_id)
@@ -311,9 +402,36 @@ class Engine:
             num_cached_tokens=root.num_cached_tokens, metrics=metrics, error=root.error,
         )  # fmt: skip
 
+    def _beam_output(self, root: Request) -> RequestOutput:
+        """The n best finished hypotheses; when aborted or failed before the end, the n best live beams."""
+        group = root.beam_group
+        skip = root.params.skip_special_tokens
+        decode = self.tokenizer.decode
+        if group.search.done:
+            outs = [
+                CompletionOutput(i, decode(h.token_ids, skip_special_tokens=skip), list(h.token_ids),
+                                 h.cumulative_logprob, None, h.finish_reason, h.stop_reason)
+                for i, h in enumerate(group.search.best(root.params.n))
+            ]  # fmt: skip
+        else:
+            outs = [
+                CompletionOutput(i, decode(b.output_token_ids, skip_special_tokens=skip),
+                                 list(b.output_token_ids), score,
+                                 None, b.status.value if b.is_finished else None)
+                for i, (b, score) in enumerate(zip(group.beams[: root.params.n], group.scores))
+            ]  # fmt: skip
+        finished = all(b.is_finished for b in group.beams)
+        metrics = RequestMetrics(root.arrival_time, root.scheduled_time, root.first_token_time,
+                                 root.last_token_time, time.monotonic() if finished else None)  # fmt: skip
+        return RequestOutput(
+            root.request_id, self._prompts.get(root.request_id), root.prompt_token_ids, outs,
+            finished=finished, num_cached_tokens=root.num_cached_tokens, metrics=metrics, error=root.error,
+        )  # fmt: skip
+
     def _finish_group(self, root: Request) -> RequestOutput:
         out = self._output(root)
         self._groups.pop(root.request_id, None)
+        self._beam_groups.pop(root.request_id, None)
         self._prompts.pop(root.request_id, None)
         for sample in root.samples:
             self._detok.pop(sample.request_id, None)
@@ -328,6 +446,7 @@ class Engine:
     def stats(self) -> EngineStats:
         kv = self.block_manager.stats()
         sched = self.scheduler
+        logical, physical = self._beam_blocks() if self._beam_groups else (0, 0)
         return EngineStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting), num_swapped=len(sched.swapped),
             num_blocks=kv.num_blocks, block_size=kv.block_size, free_blocks=kv.free_blocks,
@@ -336,6 +455,9 @@ class Engine:
             num_preemptions=sched.num_preemptions, prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens, num_steps=self.num_steps,
             num_group_restarts=self.num_group_restarts, step_time=dict(self._time),
+            beam_blocks_logical=logical, beam_blocks_physical=physical,
+            beam_block_steps_logical=self._beam_block_steps[0],
+            beam_block_steps_physical=self._beam_block_steps[1],
         )  # fmt: skip
 
     def take_kv_events(self) -> list[tuple[str, list[int]]]:

@@ -51,6 +51,25 @@ class RequestOutput:
     new_token_counts: list[int] = field(default_factory=list)  # per sample, tokens added this step
 
 
+@dataclass(slots=True)
+class BeamSearchSequence:
+    """One beam of ``LLM.beam_search`` (vLLM's shape): ``tokens`` and ``text`` hold the prompt too."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]]
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    """The best beams of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
 class IncrementalDetokenizer:
     """Text of a growing token sequence, emitted only in whole characters.
 

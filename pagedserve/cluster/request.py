@@ -31,7 +31,8 @@ class Request:
         "arrival_time", "num_computed_tokens", "status", "stop_reason", "num_preemptions",
         "num_cached_tokens", "sent_to_worker", "extra_keys", "max_tokens", "parent", "sample_index",
         "samples", "logprobs", "cumulative_logprob", "prompt_logprobs", "first_token_time",
-        "last_token_time", "scheduled_time", "error", "eos_token_ids",
+        "last_token_time", "scheduled_time", "error", "eos_token_ids", "beam_group", "fork_of", "table_stale",
+        "beam_candidates",
     )  # fmt: skip
 
     def __init__(
@@ -76,6 +77,12 @@ class Request:
         self.last_token_time: float | None = None
         self.scheduled_time: float | None = None
         self.error: str | None = None
+        # Beam search: the root request holds its group (``BeamGroup``); every beam, the root too,
+        # is a request of its own whose blocks it shares with the beams it forked from.
+        self.beam_group: Any = None  # its BeamGroup, on every beam of a beam search
+        self.fork_of: str | None = None  # a beam forked from this one, until the workers first see it
+        self.table_stale = False  # the workers' copy of its block table is out of date: resend it all
+        self.beam_candidates: tuple[list[int], list[float]] | None = None  # this step's, until the group advances
 
     @property
     def num_tokens(self) -> int:
@@ -114,6 +121,25 @@ class Request:
         child.sent_to_worker = True  # the worker creates its state when it samples the fork
         child.scheduled_time = self.scheduled_time
         child.prompt_logprobs = self.prompt_logprobs
+        return child
+
+    def fork_beam(self, child_id: str) -> Request:
+        """A beam continuing this one: same tokens so far (its blocks are forked by the caller)."""
+        root = self.parent or self
+        child = Request(
+            child_id, self.prompt_token_ids, self.params, max_tokens=self.max_tokens,
+            eos_token_ids=self.eos_token_ids, priority=self.priority, arrival_time=self.arrival_time,
+            extra_keys=self.extra_keys, parent=root,
+        )  # fmt: skip
+        child.output_token_ids = list(self.output_token_ids)
+        child.all_token_ids = list(self.all_token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.status = self.status
+        child.scheduled_time = self.scheduled_time
+        child.beam_group = self.beam_group
+        child.fork_of = self.request_id
+        child.table_stale = True
         return child
 
     def __repr__(self) -> str:

@@ -44,7 +44,19 @@ class Scheduler:
                 f"the prompt has {req.num_prompt_tokens} tokens; this model's context is "
                 f"{self.max_model_len} tokens including at least one generated token"
             )
-        self.bm.check_fits(min(req.num_prompt_tokens + req.max_tokens, self.max_model_len))
+        total = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
+        self.bm.check_fits(total)
+        width = req.params.width
+        if width > 1:
+            # A beam group at worst holds the prompt once and each beam's own outputs.
+            need = self.bm.blocks_needed(req.num_prompt_tokens) + width * (
+                self.bm.blocks_needed(total - req.num_prompt_tokens) + 1
+            )
+            if need > self.bm.num_blocks:
+                raise RequestTooLong(
+                    f"a beam search of width {width} needs up to {need} KV blocks for this request, "
+                    f"but the whole pool holds {self.bm.num_blocks}"
+                )
         self.requests[req.request_id] = req
         if self.config.scheduling_policy == "priority":
             # Keep waiting sorted by (priority, arrival); insertion is rare next to steps.
@@ -85,23 +97,42 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]  # running is in admission order: the newest is last
 
-    def _preempt(self, req: Request, plan: StepPlan) -> None:
-        self.running.remove(req)
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        plan.num_preempted += 1
+    @staticmethod
+    def _group_of(req: Request, status: RequestStatus) -> list[Request]:
+        """The request, or all beams of its beam group, that are in ``status``."""
+        if req.beam_group is None:
+            return [req]
+        return [b for b in req.beam_group.beams if b.status is status]
+
+    def _preempt(self, req: Request, plan: StepPlan, scheduled: dict) -> int:
+        """Preempt the request, or its whole beam group; returns the budget its scheduled tokens held."""
+        members = self._group_of(req, RequestStatus.RUNNING)
+        freed = 0
+        for m in members:
+            if m.request_id in scheduled:
+                freed += scheduled.pop(m.request_id)[1]
+            self.running.remove(m)
+            m.num_preemptions += 1
+        self.num_preemptions += len(members)
+        plan.num_preempted += len(members)
         if self.config.preemption_mode == "swap":
-            mapping = self.bm.swap_out(req.request_id)
+            # a beam group's shared blocks move once, and come back shared
+            mapping = self.bm.swap_out_group([m.request_id for m in members])
             if mapping is not None:
                 plan.swap_out.extend(mapping)
-                req.status = RequestStatus.SWAPPED
-                self.swapped.append(req)
-                return
-        # recompute (or swap with the host pool full): drop the blocks, re-prefill later
-        self.bm.free(req.request_id)
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
+                for m in members:
+                    m.status = RequestStatus.SWAPPED
+                self.swapped.extend(members)
+                return freed
+        # recompute (or swap with the host pool full): drop the blocks, re-prefill later; a beam
+        # group's beams re-share their common prefix when they come back (see _beam_prefix)
+        for m in reversed(members):
+            self.bm.free(m.request_id)
+            m.num_computed_tokens = 0
+            m.beam_candidates = None  # it reports again after its re-prefill
+            m.status = RequestStatus.WAITING
+            self.waiting.appendleft(m)
+        return freed
 
     def schedule(self) -> StepPlan:
         """Pick this step's work. Mutates request progress as if the plan will run."""
@@ -115,18 +146,18 @@ class Scheduler:
             req = self.running[i]
             preempted_before = plan.num_preempted
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n == 0:  # a beam that reported its candidates waits for the rest of its group
+                i += 1
+                continue
             start = None
             while start is None:
                 start = self.bm.allocate(req.request_id, req.all_token_ids, n)
                 if start is None:
-                    victim = self._victim()
-                    if victim.request_id in scheduled:
-                        budget += scheduled.pop(victim.request_id)[1]
-                    self._preempt(victim, plan)
-                    if victim is req:
+                    budget += self._preempt(self._victim(), plan, scheduled)
+                    if req.status is not RequestStatus.RUNNING:
                         break
             if start is None:
-                continue  # req itself was preempted; the list shifted under i
+                continue  # req itself (or its beam group) was preempted; the list shifted under i
             scheduled[req.request_id] = (req, n, start)
             budget -= n
             # a victim may have left the list before req (priority mode): find req again
@@ -141,15 +172,20 @@ class Scheduler:
         for req, n, start in scheduled.values():
             new = None
             if not req.sent_to_worker:
-                new = {"prompt_token_ids": req.prompt_token_ids, "params": req.params.to_dict()}
+                if req.fork_of is not None:
+                    new = {"fork_of": req.fork_of}
+                else:
+                    new = {"prompt_token_ids": req.prompt_token_ids, "params": req.params.to_dict()}
                 req.sent_to_worker = True
+            if req.table_stale:
+                start, req.table_stale = 0, False
             if req.scheduled_time is None:
                 req.scheduled_time = now
             pos = req.num_computed_tokens
             req.num_computed_tokens += n
             sample = req.num_computed_tokens == req.num_tokens
             forks = []
-            if sample and req.params.n > 1 and not req.output_token_ids and req.parent is None:
+            if sample and req.params.n > 1 and not req.output_token_ids and req.parent is None and req.beam_group is None:
                 forks = [f"{req.request_id}#{k}" for k in range(1, req.params.n)]
             plan.seqs.append(
                 ScheduledSeq(
@@ -161,25 +197,42 @@ class Scheduler:
         return plan
 
     def _swap_in(self, plan: StepPlan, scheduled: dict, budget: int) -> int:
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.swapped and budget > 0:
             req = self.swapped[0]
-            # Room for its blocks, the blocks of this step's tokens (a whole chunk when it was
-            # swapped out mid-prefill) and the watermark; alone, a request always fits (check_fits
-            # at add), so the watermark never keeps it out of an empty pool forever.
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            held = self.bm.num_tokens(req.request_id)
-            growth = self.bm.blocks_needed(held + n) - self.bm.blocks_needed(held)
-            headroom = growth + (self._watermark_blocks if self.running else 0)
-            if not self.bm.can_swap_in(req.request_id, headroom):
+            members = self._group_of(req, RequestStatus.SWAPPED)  # a beam group comes back whole
+            if self.running and len(self.running) + len(members) > self.config.max_num_seqs:
                 break
-            plan.swap_in.extend(self.bm.swap_in(req.request_id))
-            self.swapped.popleft()
-            start = self.bm.allocate(req.request_id, req.all_token_ids, n)
-            assert start is not None, "swap-in checked room for the next token"
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            scheduled[req.request_id] = (req, n, 0)  # every block is new to the workers
-            budget -= n
+            # Room for their blocks, the blocks of this step's tokens (a whole chunk when swapped
+            # out mid-prefill; a copy when a shared last block is written) and the watermark;
+            # alone, a request always fits (check_fits at add), so the watermark never keeps it
+            # out of an empty pool forever.
+            steps, headroom, left = [], 0, budget
+            for m in members:
+                n = min(m.num_tokens - m.num_computed_tokens, left)
+                # slots it holds already: a beam preempted after this step's allocation keeps them
+                held = self.bm.num_tokens(m.request_id)
+                growth = self.bm.blocks_needed(m.num_computed_tokens + n) - self.bm.blocks_needed(held)
+                headroom += max(growth, 0) + (len(members) > 1)
+                steps.append(n)
+                left -= n
+            headroom += self._watermark_blocks if self.running else 0
+            ids = [m.request_id for m in members]
+            if not self.bm.can_swap_in_group(ids, headroom):
+                break
+            plan.swap_in.extend(self.bm.swap_in_group(ids))
+            for m, n in zip(members, steps):
+                self.swapped.remove(m)
+                m.status = RequestStatus.RUNNING
+                self.running.append(m)
+                if n == 0:  # a beam waiting for its group: the workers hear its new table later
+                    m.table_stale = True
+                    continue
+                missing = m.num_computed_tokens + n - self.bm.num_tokens(m.request_id)
+                if missing > 0:
+                    start = self.bm.allocate(m.request_id, m.all_token_ids, missing)
+                    assert start is not None, "swap-in checked room for the next tokens"
+                scheduled[m.request_id] = (m, n, 0)  # every block is new to the workers
+            budget = left
         return budget
 
     def _admit(self, scheduled: dict, budget: int) -> None:
@@ -191,6 +244,14 @@ class Scheduler:
                 hit = bm.match_prefix(req.all_token_ids, req.extra_keys)
             else:
                 hit = PrefixHit([], [], bm.block_size)
+            if req.beam_group is not None:
+                if req.num_computed_tokens == 0 and not req.output_token_ids and self.running and (
+                    len(self.running) + req.params.width > self.config.max_num_seqs
+                ):
+                    break  # a beam search's root expands to `width` running beams
+                hit = self._beam_prefix(req, hit)
+                if hit is None:
+                    break  # a beam waits until a sibling has the prefix they share
             n = req.num_tokens - hit.num_tokens
             if n > budget and not self.config.enable_chunked_prefill:
                 break
@@ -213,6 +274,32 @@ class Scheduler:
             scheduled[req.request_id] = (req, n, 0)
             budget -= n
 
+    def _beam_prefix(self, req: Request, hit: PrefixHit) -> PrefixHit | None:
+        """A re-admitted beam's leading blocks: its prefix-cache hit, or the full blocks it shares
+        with a running sibling of its group when those are more, so that the group re-prefills
+        the prompt once. None while a running sibling has not yet computed what they share."""
+        bm = self.bm
+        best: tuple[int, Request] | None = None
+        limit = req.num_tokens - 1  # its last token is always computed (its logits are needed)
+        for sibling in req.beam_group.beams:
+            if sibling is req or sibling.status is not RequestStatus.RUNNING:
+                continue
+            common = _common_prefix(sibling.all_token_ids, req.all_token_ids, limit)
+            if bm.num_tokens(sibling.request_id) < common // bm.block_size * bm.block_size:
+                return None  # still prefilling what they share: the next steps compute it
+            if best is None or common > best[0]:
+                best = (common, sibling)
+        if best is None or best[0] // bm.block_size <= len(hit.blocks):
+            return hit
+        shared = bm.block_table(best[1].request_id)[: best[0] // bm.block_size]
+        return PrefixHit([bm.blocks[b] for b in shared], hit.hashes, bm.block_size)
+
+    def add_beam(self, parent: Request, child: Request) -> None:
+        """A beam that continues ``parent`` too: it shares all of the parent's blocks (copy-on-write)."""
+        self.bm.fork(parent.request_id, child.request_id)
+        self.requests[child.request_id] = child
+        self.running.insert(self.running.index(parent) + 1, child)
+
     def add_forks(self, parent: Request, fork_ids: list[str]) -> list[Request]:
         """Parallel samples of ``parent``: each shares all of its blocks, copy-on-write."""
         children = []
@@ -226,3 +313,11 @@ class Scheduler:
             parent.samples.append(child)
             children.append(child)
         return children
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -350,7 +350,7 @@ class OpenAIServer:
         self.check_model(body.model)
         body.check_supported()
         prompts = self.completion_prompts(body.prompt)
-        params = body.sampling_params(body.max_tokens, body.logprobs)
+        params = body.sampling_params(body.max_tokens, body.logprobs, body.best_of)
         for ids in prompts:
             self.check_length(len(ids), params.max_tokens, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"

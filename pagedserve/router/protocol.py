@@ -98,24 +98,43 @@ class _GenerationRequest(BaseModel):
     skip_special_tokens: bool = True
     priority: int = 0
     cache_salt: str | None = Field(default=None, min_length=1)
+    # vLLM's beam-search extras (and transformers' early_stopping): returns the n best beams
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     def check_supported(self) -> None:
         """Raise a 400 for fields we know but do not implement, when they ask for something."""
         if self.logit_bias:
             raise OpenAIError(400, "logit_bias is not supported", param="logit_bias")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The engine's SamplingParams; raises SamplingParamsError naming a bad field."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        best_of: int | None = None) -> SamplingParams:  # fmt: skip
+        """The engine's SamplingParams; raises SamplingParamsError naming a bad field.
+
+        With use_beam_search the beam width is best_of (completions) or n, and an unset
+        temperature means 0: beam search is deterministic, any temperature > 0 is refused.
+        """
         optional = {"top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty}
+        temperature = self.temperature
+        if temperature is None:
+            temperature = 0.0 if self.use_beam_search else 1.0
+        beam = {}
+        if self.use_beam_search:
+            beam = {"use_beam_search": True, "best_of": best_of, "length_penalty": self.length_penalty,
+                    "early_stopping": self.early_stopping}  # fmt: skip
+        elif self.length_penalty != 1.0 or self.early_stopping is not False:
+            param = "length_penalty" if self.length_penalty != 1.0 else "early_stopping"
+            raise OpenAIError(400, f"{param} needs use_beam_search=true", param=param)
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
+            n=self.n, temperature=temperature,
             top_p=1.0 if self.top_p is None else self.top_p, seed=self.seed,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             stop=[] if self.stop is None else self.stop, stop_token_ids=self.stop_token_ids or [],
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
             max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            **{k: v for k, v in optional.items() if v is not None},
+            **{k: v for k, v in optional.items() if v is not None}, **beam,
         )  # fmt: skip
 
     @property
@@ -143,8 +162,9 @@ class CompletionRequest(_GenerationRequest):
             raise OpenAIError(400, "echo is not supported", param="echo")
         if self.suffix:
             raise OpenAIError(400, "suffix is not supported", param="suffix")
-        if self.best_of is not None and self.best_of != self.n:
-            raise OpenAIError(400, "best_of other than n is not supported", param="best_of")
+        if self.best_of is not None and self.best_of != self.n and not self.use_beam_search:
+            raise OpenAIError(400, "best_of other than n is supported with use_beam_search only",
+                              param="best_of")  # fmt: skip
 
 
 class TextPart(BaseModel):

@@ -25,6 +25,7 @@ from pagedserve.sampling import (
     SamplingRow,
     compute_prompt_logprobs,
     make_generator,
+    num_beam_candidates,
 )
 from pagedserve.worker.kv_pool import KVPool, bytes_per_block, host_memory, num_kv_heads_per_rank
 from pagedserve.worker.layers import AttentionMetadata, prepack_linear_weights
@@ -150,14 +151,15 @@ class Worker:
         pool.swap_out(plan.swap_out)
         pool.swap_in(plan.swap_in)
         pool.copy_blocks(plan.copies)
-        for req_id in plan.finished:
-            self.states.pop(req_id, None)
         if not plan.seqs:
+            self._forget(plan.finished)
             return StepOutput([])
         t0 = time.perf_counter()
         if self.device.type == "cpu":
             self._size_threads(plan.num_tokens)
         tables = [self._update_state(s) for s in plan.seqs]
+        # after the new states: a beam forked from one that this plan retires copies its state first
+        self._forget(plan.finished)
         meta = _metadata(plan.seqs, tables, self.block_size, self.device)
         input_ids = torch.tensor(
             list(chain.from_iterable(s.token_ids for s in plan.seqs)), device=self.device
@@ -185,8 +187,17 @@ class Worker:
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
 
+    def _forget(self, finished: list[str]) -> None:
+        for req_id in finished:
+            self.states.pop(req_id, None)
+
     def _update_state(self, s: ScheduledSeq) -> list[int]:
         state = self.states.get(s.req_id)
+        if state is None and s.new is not None and "fork_of" in s.new:
+            # a beam continuing another: same params and prompt; the plan sends its whole table
+            parent = self.states[s.new["fork_of"]]
+            row = SamplingRow(parent.row.params, parent.row.prompt_token_ids, [], None)
+            state = self.states[s.req_id] = _SeqState([], row, parent.prompt_scored)
         if state is None:
             assert s.new is not None, f"first sight of {s.req_id} without its prompt"
             params = SamplingParams.from_dict(s.new["params"])
@@ -251,6 +262,13 @@ class Worker:
 
     def _sample(self, rows: list[SamplingRow], row_ids: list[str], logits: torch.Tensor,
                 output: StepOutput) -> None:  # fmt: skip
+        beam = [i for i, row in enumerate(rows) if row.params.use_beam_search]
+        if beam:
+            self._beam_candidates([row_ids[i] for i in beam], [rows[i] for i in beam], logits[beam], output)
+            if len(beam) == len(rows):
+                return
+            keep = [i for i, row in enumerate(rows) if not row.params.use_beam_search]
+            rows, row_ids, logits = [rows[i] for i in keep], [row_ids[i] for i in keep], logits[keep]
         result = self.sampler(logits, SamplingBatch.from_rows(rows, self.eos_token_ids, self.device))
         for i, (req_id, row) in enumerate(zip(row_ids, rows)):
             token = result.sampled_token_ids[i]
@@ -259,6 +277,17 @@ class Worker:
                 SampledToken(req_id, token, result.logprobs[i], result.ranks[i], result.top_token_ids[i],
                              result.top_logprobs[i])
             )  # fmt: skip
+
+
+    def _beam_candidates(self, row_ids: list[str], rows: list[SamplingRow], logits: torch.Tensor,
+                         output: StepOutput) -> None:  # fmt: skip
+        """Each beam row's best K tokens by log-softmax (fp32, as transformers scores beams)."""
+        ks = [num_beam_candidates(row.params, self.eos_token_ids) for row in rows]
+        logprobs = logits.float().log_softmax(dim=-1)
+        values, ids = logprobs.topk(min(max(ks), logprobs.shape[-1]), dim=-1)
+        values_list, ids_list = values.tolist(), ids.tolist()
+        for i, (req_id, k) in enumerate(zip(row_ids, ks)):
+            output.beam_candidates[req_id] = [ids_list[i][:k], values_list[i][:k]]
 
 
 @dataclass(slots=True)

@@ -37,9 +37,16 @@ def check_invariants(bm: BlockManager) -> None:
     assert stats.used_blocks == len(holders)
     assert stats.cached_blocks == cached_free
     assert bm._live_slots == live
-    host_held = [h for s in bm.seqs.values() if s.host_table for h in s.host_table]
-    assert len(set(host_held)) == len(host_held)
-    assert len(host_held) + len(bm.host_free) == bm.num_host_blocks
+    host_holders: dict[int, int] = {}
+    for seq in bm.seqs.values():
+        assert seq.host_table is None or len(set(seq.host_table)) == len(seq.host_table)
+        for h in seq.host_table or ():
+            host_holders[h] = host_holders.get(h, 0) + 1
+    assert len(set(bm.host_free)) == len(bm.host_free)
+    assert not set(bm.host_free) & set(host_holders)
+    assert len(host_holders) + len(bm.host_free) == bm.num_host_blocks
+    for h in range(bm.num_host_blocks):
+        assert bm.host_ref_count[h] == host_holders.get(h, 0)
 
 
 def block_contents(tokens: list[int], num_tokens: int, bs: int) -> list[tuple]:
