@@ -72,8 +72,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm = BlockManager(24, self.bs, num_host_blocks=12, enable_prefix_caching=True)
         self.tokens: dict[int, list[int]] = {}
         self.next_id = 0
-        # What each physical block holds, as last written by the shadow model.
+        # What each physical block holds, as last written by the shadow model; and each host block.
         self.content: dict[int, tuple] = {}
+        self.host_content: dict[int, tuple] = {}
         self.templates = [
             [1, 2, 3, 4, 5, 6, 7, 8, 9],
             [1, 2, 3, 4, 9, 9, 9, 9],
@@ -142,17 +143,26 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if rid in self.bm.seqs:
             self.bm.free(rid)
 
-    @rule(rid=requests)
-    def swap_out(self, rid):
-        if self._live(rid) and self.bm.swap_out(rid) is not None:
-            self.bm.take_copies()
-
-    @rule(rid=requests)
-    def swap_in(self, rid):
-        if rid in self.bm.seqs and self.bm.is_swapped(rid):
-            mapping = self.bm.swap_in(rid)
+    @rule(rids=st.lists(requests, min_size=1, max_size=3, unique=True))
+    def swap_out(self, rids):
+        # A group (beams) swaps out together: a block they share moves once.
+        rids = [r for r in rids if self._live(r)]
+        if rids:
+            mapping = self.bm.swap_out_group(rids)
             if mapping is not None:
-                self._record(rid)
+                assert len({h for _, h in mapping}) == len(mapping)
+                for device, host in mapping:
+                    self.host_content[host] = self.content.get(device)
+
+    @rule(rids=st.lists(requests, min_size=1, max_size=3, unique=True))
+    def swap_in(self, rids):
+        # Content comes back only through the copies the mapping names (no shadow rewrite).
+        rids = [r for r in rids if r in self.bm.seqs and self.bm.is_swapped(r)]
+        if rids:
+            mapping = self.bm.swap_in_group(rids)
+            if mapping is not None:
+                for host, device in mapping:
+                    self.content[device] = self.host_content[host]
 
     def _record(self, rid: int) -> None:
         # Shadow writes: every block of the request now holds the request's content at that place.
@@ -194,6 +204,46 @@ TestBlockManagerStateful = BlockManagerMachine.TestCase
 TestBlockManagerStateful.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
+
+
+def test_group_swap_moves_shared_blocks_once_and_shares_them_again() -> None:
+    bm = BlockManager(16, 4, num_host_blocks=16)
+    prompt = list(range(10))  # 2 full blocks and a partial one
+    bm.allocate("a", prompt, 10)
+    bm.fork("a", "b")
+    bm.fork("a", "c")
+    assert bm.allocate("b", prompt + [7], 1) is not None  # b copies the shared partial block
+    [(src, dst)] = bm.take_copies()
+    assert bm.allocate("c", prompt + [8], 1) is not None
+    [(src_c, dst_c)] = bm.take_copies()
+    assert src_c == src and dst_c not in (src, dst)
+    # a still holds the partial block alone now; the full blocks are shared by all three
+    mapping = bm.swap_out_group(["a", "b", "c"])
+    assert len(mapping) == 2 + 3  # the shared full blocks once, each partial block once
+    check_invariants(bm)
+    assert bm.num_free_blocks == 16
+    back = bm.swap_in_group(["a", "b", "c"])
+    assert len(back) == 5
+    tables = [bm.block_table(r) for r in "abc"]
+    assert tables[0][:2] == tables[1][:2] == tables[2][:2]
+    assert len({t[2] for t in tables}) == 3
+    assert [bm.blocks[b].ref_count for b in tables[0][:2]] == [3, 3]
+    check_invariants(bm)
+
+
+def test_copy_decided_then_swapped_out_in_the_same_step_swaps_the_source() -> None:
+    """The workers swap out before they copy: a block whose copy-on-write is still pending when its
+    holder swaps out must leave with its source's content, and the copy is dropped."""
+    bm = BlockManager(16, 4, num_host_blocks=16)
+    bm.allocate("a", [1, 2, 3, 4, 5, 6], 6)
+    bm.fork("a", "b")
+    bm.allocate("b", [1, 2, 3, 4, 5, 6, 7], 1)  # copy (src -> dst) pending for this step
+    table = list(bm.block_table("b"))
+    mapping = dict(bm.swap_out_group(["b"]))
+    src = bm.block_table("a")[1]
+    assert table[1] not in mapping and mapping[src] is not None  # the source goes to the host
+    assert bm.take_copies() == []
+    check_invariants(bm)
 
 
 def prompt_with_prefix(prefix: list[int], tail: int, seed: int) -> list[int]:
