@@ -111,6 +111,45 @@ def test_chat_greedy_equals_offline(client: openai.OpenAI, offline_llm, server: 
     assert out.usage.completion_tokens == len(expected.outputs[0].token_ids)
 
 
+# ---- beam search ----------------------------------------------------------------------------------
+
+
+def hf_beam_texts(server_model_dir, tokenizer, prompt_ids: list[int], width: int, n: int, max_new: int) -> list[str]:
+    from tests.cluster.test_beam_search import hf_beams
+
+    beams = hf_beams(server_model_dir, prompt_ids, width, n, max_new, [tokenizer.eos_token_id])
+    return [tokenizer.decode(b, skip_special_tokens=True) for b in beams]
+
+
+def test_beam_search_over_http_equals_transformers(client: openai.OpenAI, offline_llm, server: Server,
+                                                   smollm2_dir) -> None:  # fmt: skip
+    """vLLM's extras through the official client: use_beam_search with best_of = the width (completions)
+    or n (chat); the n best beams come back, equal to transformers' generate(num_beams=W)."""
+    tok = offline_llm.get_tokenizer()
+    out = client.completions.create(
+        model=server.model, prompt=PROMPT, n=2, max_tokens=12,
+        extra_body={"use_beam_search": True, "best_of": 4, "length_penalty": 1.0},
+    )  # fmt: skip
+    expected = hf_beam_texts(smollm2_dir, tok, tok(PROMPT).input_ids, 4, 2, 12)
+    assert [c.text for c in out.choices] == expected
+    assert [c.index for c in out.choices] == [0, 1]
+    chat_ids = list(tok.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=True)["input_ids"])
+    chat = client.chat.completions.create(
+        model=server.model, messages=CHAT, n=3, max_tokens=16, extra_body={"use_beam_search": True},
+    )  # fmt: skip
+    assert [c.message.content for c in chat.choices] == hf_beam_texts(smollm2_dir, tok, chat_ids, 3, 3, 16)
+    assert chat.usage.completion_tokens > 0
+    # Streaming sends the final beams only (beams change until the search ends): same texts.
+    chunks = list(client.chat.completions.create(
+        model=server.model, messages=CHAT, n=3, max_tokens=16, stream=True, extra_body={"use_beam_search": True},
+    ))  # fmt: skip
+    texts: dict[int, str] = defaultdict(str)
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert [texts[i] for i in range(3)] == [c.message.content for c in chat.choices]
+
+
 # ---- streaming ------------------------------------------------------------------------------------
 
 
@@ -324,6 +363,12 @@ BAD_COMPLETIONS = [
     ({"prompt": "x " * 1000}, "prompt", "context_length_exceeded"),
     ({"echo": True}, "echo", None),
     ({"best_of": 3}, "best_of", None),
+    ({"use_beam_search": True, "best_of": 5}, "best_of", None),  # above --max-num-seqs 4
+    ({"use_beam_search": True, "n": 3, "best_of": 2}, "best_of", None),
+    ({"use_beam_search": True, "n": 2, "temperature": 0.7}, "temperature", None),
+    ({"use_beam_search": True, "n": 2, "stop": ["."]}, "stop", None),
+    ({"use_beam_search": True, "n": 2, "early_stopping": "sometimes"}, "early_stopping", None),
+    ({"length_penalty": 0.5}, "length_penalty", None),
 ]
 BAD_CHATS = [
     ({"messages": []}, "messages", None),
