@@ -68,6 +68,7 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=None)
     parser.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None)
+    parser.add_argument("--max-beam-width", type=int, default=None, help="widest beam search allowed (16)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     parser.add_argument(
         "--placement-group-strategy", choices=PLACEMENT_STRATEGIES, default=None,
@@ -122,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--sampling-seed", type=int, default=None, help="the request's seed (--seed is the engine's)"
     )
-    gen.add_argument("-n", type=int, default=1, help="samples per prompt")
+    gen.add_argument("-n", type=int, default=1, help="samples per prompt (the best beams with --beam-width)")
+    gen.add_argument("--beam-width", type=int, default=None, help="beam search of this width")
+    gen.add_argument("--length-penalty", type=float, default=1.0, help="beam search's length penalty")
     return parser
 
 
@@ -137,6 +140,8 @@ GENERATE_ONLY = (
     "top_k",
     "sampling_seed",
     "n",
+    "beam_width",
+    "length_penalty",
 )
 
 
@@ -196,8 +201,11 @@ def generate_main(args: argparse.Namespace) -> int:
 
     flags = {k: v for k, v in vars(args).items() if k not in GENERATE_ONLY and v is not None}
     try:
+        beam = {}
+        if args.beam_width is not None:
+            beam = {"use_beam_search": True, "beam_width": args.beam_width, "length_penalty": args.length_penalty}
         params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed)  # fmt: skip
+                                top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed, **beam)  # fmt: skip
     except SamplingParamsError as exc:
         raise ConfigError(str(exc)) from exc
     llm = LLM(**flags)
@@ -206,6 +214,8 @@ def generate_main(args: argparse.Namespace) -> int:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
         else:
             outputs = llm.generate(list(args.prompt), params)
+    except SamplingParamsError as exc:  # a limit of the engine (--max-beam-width, say)
+        raise ConfigError(str(exc)) from exc
     finally:
         llm.shutdown()
     for out in outputs:

@@ -83,3 +83,20 @@ def test_generate_prints_the_greedy_text(capsys: pytest.CaptureFixture[str]) -> 
     llm = LLM(max_model_len=256, kv_cache_memory=64 << 20, dtype="float32")
     expected = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8))[0]
     assert printed == expected.outputs[0].text + "\n"
+
+
+def test_generate_with_beam_search_prints_the_best_beams(capsys: pytest.CaptureFixture[str]) -> None:
+    from pagedserve import LLM, BeamSearchParams
+
+    flags = ["--max-model-len", "256", "--kv-cache-memory", "64MiB", "--dtype", "float32", "--max-beam-width", "4"]
+    argv = ["generate", "-p", "The capital of France is", "--max-tokens", "8", "--beam-width", "3", "-n", "2"]
+    assert main([*argv, *flags]) == 0
+    printed = capsys.readouterr().out
+    llm = LLM(max_model_len=256, kv_cache_memory=64 << 20, dtype="float32")
+    [beams] = llm.beam_search(["The capital of France is"], BeamSearchParams(beam_width=3, max_tokens=8))
+    prompt_len = len(llm.get_tokenizer()("The capital of France is").input_ids)
+    tok = llm.get_tokenizer()
+    texts = [tok.decode(s.tokens[prompt_len:], skip_special_tokens=True) for s in beams.sequences[:2]]
+    assert printed == "".join(t + "\n" for t in texts)
+    assert main([*argv[:-4], "--beam-width", "5", *flags]) == 2  # above --max-beam-width 4
+    assert "--max-beam-width 4" in capsys.readouterr().err
