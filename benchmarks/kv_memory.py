@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import random
 import sys
 import time
 from collections import deque
@@ -112,6 +114,79 @@ def replay_paged(reqs: list[Request], budget_tokens: int, block_size: int, max_m
     }
 
 
+def synthetic_candidates(rng: random.Random, k: int, eos: int, vocab: int) -> tuple[list[int], list[float]]:
+    """One beam's best k tokens and logprobs under a Zipf-shaped next-token distribution whose
+    sharpness varies per beam and step (exponent 0.6..1.4 over the vocabulary), EOS among them 2%
+    of the time: a stand-in for a model, so that the block manager runs alone."""
+    s = rng.uniform(0.6, 1.4)
+    norm = math.log(sum(r**-s for r in range(1, 2000)) + ((vocab ** (1 - s)) - 2000 ** (1 - s)) / (1 - s))
+    ids = rng.sample(range(3, vocab), k)
+    if rng.random() < 0.02:
+        ids[rng.randrange(k)] = eos
+    return ids, [-s * math.log(r) - norm for r in range(1, k + 1)]
+
+
+def replay_beams(reqs: list[Request], width: int, block_size: int, *, beams: bool, seed: int = 0) -> dict:
+    """Each request as a beam search of ``width`` (or, ``beams=False``, ``width`` parallel samples)
+    through the BlockManager alone, as the engine drives it: a beam continuing another forks its
+    table, the first write into a shared partly filled block copies it, dropped beams free theirs.
+    Counts block-table entries (each beam's own copy, no sharing) against distinct blocks held,
+    summed over every step."""
+    from pagedserve.cluster.beam import BeamSearch
+    from pagedserve.sampling import SamplingParams
+
+    rng = random.Random(seed)
+    bm = BlockManager(1 << 20, block_size, enable_prefix_caching=False)
+    logical = physical = steps = copies = 0
+    eos, vocab = 2, 49152
+    for g, r in enumerate(reqs):
+        prompt = list(r.prompt_token_ids)
+        bm.allocate((g, 0), prompt, len(prompt))
+        live = [((g, 0), [], 0.0)]  # (request id, output tokens, score)
+        search = None
+        if beams:
+            params = SamplingParams(use_beam_search=True, beam_width=width, temperature=0, max_tokens=r.output_len)
+            search = BeamSearch(params, [eos], r.output_len)
+        serial = 0
+        for step in range(r.output_len):
+            if beams:
+                cands = [synthetic_candidates(rng, search.num_candidates, eos, vocab) for _ in live]
+                conts = search.advance([o for _, o, _ in live], [sc for _, _, sc in live], cands)
+                if search.done:
+                    break
+                plan = [(c.parent, c.token_id, c.score) for c in conts]
+            elif step == 0:  # n samples fork from the prompt at their first token
+                plan = [(0, rng.randrange(3, vocab), 0.0) for _ in range(width)]
+            else:
+                plan = [(i, rng.randrange(3, vocab), 0.0) for i in range(len(live))]
+            new_live, used = [], set()
+            for parent, token, score in plan:
+                rid, out, _ = live[parent]
+                if parent in used:
+                    serial += 1
+                    child = (g, serial)
+                    bm.fork(rid, child)
+                    rid = child
+                used.add(parent)
+                new_live.append((rid, [*out, token], score))
+            for i, (rid, _, _) in enumerate(live):
+                if i not in used:
+                    bm.free(rid)
+            for rid, out, _ in new_live:
+                assert bm.allocate(rid, prompt + out, 1) is not None
+            copies += len(bm.take_copies())
+            live = new_live
+            tables = [bm.block_table(rid) for rid, _, _ in live]
+            logical += sum(len(t) for t in tables)
+            physical += len({b for t in tables for b in t})
+            steps += 1
+        for rid, _, _ in live:
+            bm.free(rid)
+    assert bm.stats().free_blocks == bm.num_blocks, "every block must be back in the pool"
+    return {"saved_fraction": 1 - physical / logical, "steps": steps, "copies": copies,
+            "mean_blocks_logical": logical / steps, "mean_blocks_physical": physical / steps}  # fmt: skip
+
+
 def bookkeeping_cost(block_size: int = 16, running: int = 256, steps: int = 400) -> dict:
     """Block work of one decode step with ``running`` requests, and allocate+free of one request."""
     bm = BlockManager(running * 4096 // block_size, block_size)
@@ -151,6 +226,8 @@ def main() -> None:
     )
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--trace-block-tokens", type=int, default=16, help="tokens per 512-token trace block")
+    ap.add_argument("--beam-requests", type=int, default=100, help="requests of the beam-search workload")
+    ap.add_argument("--beam-output-scale", type=float, default=0.25, help="scale their output lengths")
     args = ap.parse_args()
     budget = args.budget_seqs * args.max_model_len
     workloads = {
@@ -199,6 +276,19 @@ def main() -> None:
             "prefix_blocks_saved_fraction": round(p["prefix_blocks_saved_fraction"], 4),
             "preemptions_paged": p["preemptions"],
         }
+    beam_reqs = sharegpt_like(args.beam_requests, max_model_len=args.max_model_len, seed=3)
+    for r in beam_reqs:
+        r.output_len = max(2, int(r.output_len * args.beam_output_scale))
+    print(f"\nbeam search vs parallel sampling, {len(beam_reqs)} requests (ShareGPT-like prompts, outputs "
+          f"x{args.beam_output_scale}), synthetic next-token distributions; KV blocks saved by sharing:")  # fmt: skip
+    print(f"{'width':>6}{'beam search':>13}{'n samples':>11}{'CoW copies/step':>17}")
+    result["beam"] = {}
+    for width in (2, 4, 8):
+        b = replay_beams(beam_reqs, width, args.block_size, beams=True)
+        n = replay_beams(beam_reqs, width, args.block_size, beams=False)
+        print(f"{width:>6}{b['saved_fraction']:>13.3f}{n['saved_fraction']:>11.3f}{b['copies'] / b['steps']:>17.2f}")
+        result["beam"][f"w{width}"] = {"beam_saved_fraction": round(b["saved_fraction"], 4),
+                                        "samples_saved_fraction": round(n["saved_fraction"], 4)}  # fmt: skip
     cost = bookkeeping_cost(args.block_size)
     print(
         f"block work per decode step, {cost['running']} running: {cost['decode_step_ms']:.3f} ms; "

@@ -3,6 +3,8 @@
 Workload: ShareGPT-like lengths (mean input ~161, output ~338 scaled by --output-scale so a CPU
 run ends in minutes), and a variant where every prompt starts with one of 4 shared 256-token
 system prompts. Greedy decoding, EOS ignored so that both produce exactly the requested lengths.
+``--workloads beam`` instead runs the same prompts as beam searches of --beam-width against as
+many independent samples (no transformers baseline there).
 
 KV budget: what --baseline-batch requests at --max-model-len need when each reserves its full
 length, as transformers' contiguous cache must. The baseline therefore runs batches of that size
@@ -88,6 +90,36 @@ def run_pagedserve(llm: LLM, reqs: list[Request], busy: int) -> dict:
     }  # fmt: skip
 
 
+def run_beam_vs_samples(llm: LLM, reqs: list[Request], width: int, beams: bool) -> dict:
+    """The requests as beam searches of ``width`` (greedy, transformers' rules) or as ``width``
+    independent samples (temperature 1), EOS ignored so both run to each request's output length:
+    output tokens/s (a token per live beam or sample per step) and KV blocks saved by sharing
+    (block-table entries against distinct blocks held, summed over steps)."""
+    engine = llm.engine
+    for i, r in enumerate(reqs):
+        if beams:
+            params = SamplingParams(use_beam_search=True, n=width, temperature=0, max_tokens=r.output_len,
+                                    ignore_eos=True)  # fmt: skip
+        else:
+            params = SamplingParams(n=width, temperature=1.0, seed=i, max_tokens=r.output_len, ignore_eos=True)
+        engine.add_request(f"{'b' if beams else 's'}{i}", {"prompt_token_ids": r.prompt_token_ids}, params)
+    start = engine.stats()
+    logical = physical = 0
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        bm = engine.block_manager
+        tables = [bm.block_table(r.request_id) for r in engine.scheduler.running]
+        logical += sum(len(t) for t in tables)
+        physical += len({b for t in tables for b in t})
+    elapsed = time.perf_counter() - t0
+    st = engine.stats()
+    assert st.free_blocks == st.num_blocks, "every KV block must be back in the pool"
+    tokens = st.generation_tokens - start.generation_tokens
+    return {"seconds": elapsed, "tokens": tokens, "tokens_per_s": tokens / elapsed,
+            "saved_fraction": 1 - physical / logical, "preemptions": st.num_preemptions - start.num_preemptions}  # fmt: skip
+
+
 def busy_split(llm: LLM, num_requests: int, busy: int, vocab: int) -> dict:
     """Step-time split with many requests running at once: equal 64-token prompts and outputs."""
     reqs = [Request([(i * 131 + j * 7) % (vocab - 1) for j in range(64)], 64) for i in range(num_requests)]
@@ -107,6 +139,9 @@ def main() -> None:
     ap.add_argument("--busy", type=int, default=64, help="steps with this many running count as busy")
     ap.add_argument("--workloads", default="sharegpt,shared_prefix")
     ap.add_argument("--busy-requests", type=int, default=96, help="requests of the step-split run")
+    ap.add_argument("--beam-width", type=int, default=4, help="the beam workload's width (and n)")
+    ap.add_argument("--beam-requests", type=int, default=16, help="requests of the beam workload")
+    ap.add_argument("--no-busy", action="store_true", help="skip the step-split run")
     args = ap.parse_args()
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     path = resolve_model(args.model)
@@ -122,6 +157,29 @@ def main() -> None:
     )
     result = {}
     for name in args.workloads.split(","):
+        if name == "beam":
+            reqs = sharegpt_like(args.beam_requests, max_model_len=args.max_model_len, vocab_size=vocab - 1,
+                                 seed=2)  # fmt: skip
+            for r in reqs:
+                r.output_len = max(2, int(r.output_len * args.output_scale))
+            w = args.beam_width
+            # Once each untimed first: the first steps at each batch size pay one-time costs
+            # (oneDNN primitives per shape), which would count against whichever runs first.
+            run_beam_vs_samples(llm, reqs, w, beams=False)
+            run_beam_vs_samples(llm, reqs, w, beams=True)
+            beam = run_beam_vs_samples(llm, reqs, w, beams=True)
+            samples = run_beam_vs_samples(llm, reqs, w, beams=False)
+            ratio = beam["tokens_per_s"] / samples["tokens_per_s"]
+            print(f"\n[beam] {len(reqs)} requests; beam search W={w} against n={w} samples, same prompts and lengths")
+            for label, r in (("beam search", beam), ("n samples", samples)):
+                print(f"  {label:<12} {r['tokens_per_s']:8.1f} tok/s ({r['tokens']} tokens, {r['seconds']:.1f} s), "
+                      f"KV blocks saved by sharing {r['saved_fraction']:.1%}, preemptions {r['preemptions']}")  # fmt: skip
+            print(f"  throughput ratio beam/samples {ratio:.2f}")
+            result["beam"] = {"width": w, "beam_tokens_per_s": round(beam["tokens_per_s"], 1),
+                              "samples_tokens_per_s": round(samples["tokens_per_s"], 1), "ratio": round(ratio, 2),
+                              "beam_saved_fraction": round(beam["saved_fraction"], 4),
+                              "samples_saved_fraction": round(samples["saved_fraction"], 4)}  # fmt: skip
+            continue
         prefix = 256 if name == "shared_prefix" else 0
         reqs = sharegpt_like(args.num_requests, max_model_len=args.max_model_len, vocab_size=vocab - 1,
                              shared_prefix_len=prefix, num_prefixes=4, seed=1)  # fmt: skip
@@ -151,6 +209,9 @@ def main() -> None:
             "busy_steps": ours["busy_steps"], "max_running": ours["max_running"],
             "step_split": {k: round(v, 4) for k, v in ours["split"].items()},
         }  # fmt: skip
+    if args.no_busy:
+        print(json.dumps(result))
+        return
     split = busy_split(llm, args.busy_requests, args.busy, vocab)
     print(
         f"\n[busy] {args.busy_requests} requests of 64+64 tokens, {split['busy_steps']} steps with >= "

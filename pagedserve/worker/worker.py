@@ -151,15 +151,17 @@ class Worker:
         pool.swap_out(plan.swap_out)
         pool.swap_in(plan.swap_in)
         pool.copy_blocks(plan.copies)
+        # First: a request id may come back as a new request in this very plan. (A beam's
+        # parent is never retired before its fork is first sent: it lives until the group's next
+        # step, which needs the fork's candidates.)
+        for req_id in plan.finished:
+            self.states.pop(req_id, None)
         if not plan.seqs:
-            self._forget(plan.finished)
             return StepOutput([])
         t0 = time.perf_counter()
         if self.device.type == "cpu":
             self._size_threads(plan.num_tokens)
         tables = [self._update_state(s) for s in plan.seqs]
-        # after the new states: a beam forked from one that this plan retires copies its state first
-        self._forget(plan.finished)
         meta = _metadata(plan.seqs, tables, self.block_size, self.device)
         input_ids = torch.tensor(
             list(chain.from_iterable(s.token_ids for s in plan.seqs)), device=self.device
@@ -186,10 +188,6 @@ class Worker:
         threads = 1 if num_tokens <= SINGLE_THREAD_MAX_TOKENS else self.max_threads
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
-
-    def _forget(self, finished: list[str]) -> None:
-        for req_id in finished:
-            self.states.pop(req_id, None)
 
     def _update_state(self, s: ScheduledSeq) -> list[int]:
         state = self.states.get(s.req_id)
