@@ -37,6 +37,9 @@ GAUGES = (
     ("pagedserve:num_gpu_blocks", "num_blocks", "KV blocks in the pool."),
     ("pagedserve:num_free_blocks", "free_blocks", "KV blocks free or cached-free."),
     ("pagedserve:num_cached_blocks", "cached_blocks", "Cached-free KV blocks (evictable prefix cache)."),
+    ("pagedserve:beam_kv_blocks", "beam_blocks_physical", "Distinct KV blocks the live beams of beam searches hold."),
+    ("pagedserve:beam_kv_blocks_unshared", "beam_blocks_logical",
+     "KV blocks the live beams would hold without sharing (their block-table entries)."),
 )
 COUNTERS = (
     (
@@ -50,6 +53,10 @@ COUNTERS = (
     ("pagedserve:generation_tokens", "generation_tokens", "Tokens generated."),
     ("pagedserve:engine_group_restarts", "num_group_restarts",
      "Tensor-parallel groups rebuilt after a rank died or hung."),
+    ("pagedserve:beam_kv_block_steps", "beam_block_steps_physical",
+     "Distinct KV blocks held by beams, summed over engine steps."),
+    ("pagedserve:beam_kv_block_steps_unshared", "beam_block_steps_logical",
+     "Block-table entries of beams, summed over engine steps (1 - shared/unshared: the saving)."),
 )
 
 

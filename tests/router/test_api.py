@@ -150,6 +150,21 @@ def test_beam_search_over_http_equals_transformers(client: openai.OpenAI, offlin
     assert [texts[i] for i in range(3)] == [c.message.content for c in chat.choices]
 
 
+def test_beam_sharing_is_in_the_metrics(client: openai.OpenAI, http: httpx2.Client, server: Server) -> None:
+    """The replicas count the beams' block-table entries and the distinct blocks behind them."""
+    client.completions.create(model=server.model, prompt=PROMPT, n=4, max_tokens=24,
+                              extra_body={"use_beam_search": True, "ignore_eos": True})  # fmt: skip
+    deadline = time.monotonic() + 10
+    while True:
+        m = metrics(http)
+        shared = total(m, "pagedserve:beam_kv_block_steps", "pagedserve:beam_kv_block_steps_total")
+        unshared = total(m, "pagedserve:beam_kv_block_steps_unshared", "pagedserve:beam_kv_block_steps_unshared_total")
+        if shared > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert 0 < shared < unshared  # beams shared blocks
+
+
 # ---- streaming ------------------------------------------------------------------------------------
 
 
@@ -517,6 +532,12 @@ def test_overload_gets_503_with_retry_after(server: Server, http: httpx2.Client)
 
 
 def test_metrics_parse_and_count(http: httpx2.Client, server: Server) -> None:
+    # a streamed request of its own, so that the figures do not depend on the tests before
+    body = {"model": server.model, "prompt": PROMPT, "max_tokens": 8, "stream": True, "temperature": 0}
+    for _ in range(2):
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            sse_events(response)
+    time.sleep(0.5)  # the replicas publish their figures every 0.1 s
     m = metrics(http)
     for name in (
         "pagedserve:num_requests_running",

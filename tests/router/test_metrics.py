@@ -21,6 +21,10 @@ STATS = {
         "free_blocks": 48,
         "cached_blocks": 8,
         "num_group_restarts": 1,
+        "beam_blocks_physical": 5,
+        "beam_blocks_logical": 12,
+        "beam_block_steps_physical": 50,
+        "beam_block_steps_logical": 120,
     },
     "r2": {
         "num_running": 0,
@@ -35,6 +39,10 @@ STATS = {
         "free_blocks": 64,
         "cached_blocks": 0,
         "num_group_restarts": 0,
+        "beam_blocks_physical": 0,
+        "beam_blocks_logical": 0,
+        "beam_block_steps_physical": 0,
+        "beam_block_steps_logical": 0,
     },
 }
 
