@@ -104,8 +104,9 @@ class Scheduler:
             return [req]
         return [b for b in req.beam_group.beams if b.status is status]
 
-    def _preempt(self, req: Request, plan: StepPlan, scheduled: dict) -> int:
-        """Preempt the request, or its whole beam group; returns the budget its scheduled tokens held."""
+    def _preempt(self, req: Request, plan: StepPlan, scheduled: dict, recompute: bool = False) -> int:
+        """Preempt the request, or its whole beam group (by recompute when asked, else by the
+        configured mode); returns the budget its scheduled tokens held."""
         members = self._group_of(req, RequestStatus.RUNNING)
         freed = 0
         for m in members:
@@ -115,7 +116,7 @@ class Scheduler:
             m.num_preemptions += 1
         self.num_preemptions += len(members)
         plan.num_preempted += len(members)
-        if self.config.preemption_mode == "swap":
+        if self.config.preemption_mode == "swap" and not recompute:
             # a beam group's shared blocks move once, and come back shared
             mapping = self.bm.swap_out_group([m.request_id for m in members])
             if mapping is not None:
@@ -167,6 +168,13 @@ class Scheduler:
             budget = self._swap_in(plan, scheduled, budget)
             if not self.swapped:
                 self._admit(scheduled, budget)
+        if not scheduled and self.running and not plan.swap_in and not plan.num_preempted:
+            # Every running request is a beam that reported and waits for siblings which cannot
+            # come back (no room, or swapped requests ahead of them): nothing would ever change.
+            # Recompute those groups whole; they return together once there is room.
+            for req in reversed(list(self.running)):
+                if req.status is RequestStatus.RUNNING:
+                    self._preempt(req, plan, scheduled, recompute=True)
 
         now = time.monotonic()
         for req, n, start in scheduled.values():
@@ -252,6 +260,8 @@ class Scheduler:
                 hit = self._beam_prefix(req, hit)
                 if hit is None:
                     break  # a beam waits until a sibling has the prefix they share
+                if not self._group_fits(req, hit):
+                    break
             n = req.num_tokens - hit.num_tokens
             if n > budget and not self.config.enable_chunked_prefill:
                 break
@@ -293,6 +303,22 @@ class Scheduler:
             return hit
         shared = bm.block_table(best[1].request_id)[: best[0] // bm.block_size]
         return PrefixHit([bm.blocks[b] for b in shared], hit.hashes, bm.block_size)
+
+    def _group_fits(self, req: Request, hit: PrefixHit) -> bool:
+        """Whether a beam group coming back (``req`` first, no beam of it running) has free blocks
+        for all its waiting beams, sharing their common prefix with ``req``: a group is never let
+        in half, to wait with its first beams holding blocks that its others cannot get."""
+        group = req.beam_group
+        if len(group.beams) == 1 or any(b.status is RequestStatus.RUNNING for b in group.beams):
+            return True  # a root not yet expanded, or a sibling is back (its blocks were counted)
+        bm, bs = self.bm, self.bm.block_size
+        need = bm.blocks_needed(req.num_tokens) - len(hit.blocks)
+        for b in group.beams:
+            if b is not req and b.status is RequestStatus.WAITING:
+                common = _common_prefix(b.all_token_ids, req.all_token_ids, b.num_tokens - 1)
+                need += bm.blocks_needed(b.num_tokens) - common // bs
+        headroom = self._watermark_blocks if self.running else 0
+        return bm.num_free_blocks - need >= headroom
 
     def add_beam(self, parent: Request, child: Request) -> None:
         """A beam that continues ``parent`` too: it shares all of the parent's blocks (copy-on-write)."""

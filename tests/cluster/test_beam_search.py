@@ -337,3 +337,33 @@ def test_smollm2_beams_equal_transformers_under_preemption(smol_expected, mode):
     if mode == "swap":
         assert counts["swap_out"] > 0 and counts["swap_in"] > 0
     assert_pool_empty(llm)
+
+
+def test_a_group_stalled_half_admitted_is_recomputed_whole(tiny_engine_model, prompts):
+    """A beam that reported waits for its siblings; when they cannot come back (the pool is full)
+    and nothing else runs, nothing would ever change. The scheduler then recomputes the group
+    whole, and once there is room it finishes with transformers' beams."""
+    llm = LLM(str(tiny_engine_model), dtype="float32", max_model_len=128, block_size=4,
+              num_gpu_blocks_override=200, watermark=0.0)  # fmt: skip
+    engine, scheduler, bm = llm.engine, llm.engine.scheduler, llm.engine.block_manager
+    prompt = prompts[1]
+    engine.add_request("g", {"prompt_token_ids": prompt}, beam_params(4, 2, 1.0, False))
+    for _ in range(4):
+        engine.step()
+    group = engine._groups["g"].beam_group
+    scheduler._preempt(group.beams[0], StepPlan([]), {}, recompute=True)
+    scheduler.config.max_num_seqs = 1  # only the first beam comes back, and reports
+    engine.step()
+    scheduler.config.max_num_seqs = 128
+    statuses = [b.status.value for b in group.beams]
+    assert statuses == ["running", "waiting", "waiting", "waiting"]
+    assert group.beams[0].beam_candidates is not None
+    hog = list(range(4 * bm.num_free_blocks))
+    assert bm.allocate("hog", hog, len(hog)) is not None  # every free block taken
+    engine.step()
+    assert [b.status.value for b in group.beams] == ["waiting"] * 4  # recomputed whole
+    assert not any(b.request_id in bm for b in group.beams)
+    bm.free("hog")
+    out = run_to_completion(engine, ["g"])["g"]
+    assert [o.token_ids for o in out.outputs] == hf_beams(tiny_engine_model, prompt, 4, 4, MAX_NEW, [2])
+    assert_pool_empty(llm)

@@ -102,6 +102,24 @@ def test_seeded_parallel_samples_equal_size_1(tiny_engine_model):
         assert_group_released(llm)
 
 
+def test_beam_search_at_size_2_equals_transformers_under_swap(tiny_engine_model):
+    """Beams forked on every rank (each keeps every beam's table), candidates from rank 0, group
+    swaps moving each rank's shard of the shared blocks once."""
+    from tests.cluster.test_beam_search import beam_params, hf_beams, random_prompts
+
+    prompts = random_prompts(3, seed=4)
+    llm = tp_llm(tiny_engine_model, 2, num_gpu_blocks_override=30, max_model_len=64, block_size=4,
+                 preemption_mode="swap", max_num_batched_tokens=64)  # fmt: skip
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], beam_params(4, 2, 1.0, False, n=2))
+        for p, out in zip(prompts, outs):
+            assert [o.token_ids for o in out.outputs] == hf_beams(tiny_engine_model, p, 4, 2, 14, [2])
+        assert llm.stats().num_preemptions > 0
+        assert_pool_empty(llm)
+    finally:
+        assert_group_released(llm)
+
+
 def test_head_count_the_size_does_not_divide_is_refused_at_start(tiny_engine_model, smollm2_dir):
     with pytest.raises(ConfigError, match=r"9 attention heads, 3 KV heads"):
         LLM(None, tensor_parallel_size=2)
