@@ -145,7 +145,8 @@ def replay_beams(reqs: list[Request], width: int, block_size: int, *, beams: boo
         live = [((g, 0), [], 0.0)]  # (request id, output tokens, score)
         search = None
         if beams:
-            params = SamplingParams(use_beam_search=True, beam_width=width, temperature=0, max_tokens=r.output_len)
+            params = SamplingParams(use_beam_search=True, beam_width=width, temperature=0,
+                                    max_tokens=r.output_len)  # fmt: skip
             search = BeamSearch(params, [eos], r.output_len)
         serial = 0
         for step in range(r.output_len):
@@ -280,13 +281,15 @@ def main() -> None:
     for r in beam_reqs:
         r.output_len = max(2, int(r.output_len * args.beam_output_scale))
     print(f"\nbeam search vs parallel sampling, {len(beam_reqs)} requests (ShareGPT-like prompts, outputs "
-          f"x{args.beam_output_scale}), synthetic next-token distributions; KV blocks saved by sharing:")  # fmt: skip
+          f"x{args.beam_output_scale}), synthetic next-token distributions; "
+          "KV blocks saved by sharing:")  # fmt: skip
     print(f"{'width':>6}{'beam search':>13}{'n samples':>11}{'CoW copies/step':>17}")
     result["beam"] = {}
     for width in (2, 4, 8):
         b = replay_beams(beam_reqs, width, args.block_size, beams=True)
         n = replay_beams(beam_reqs, width, args.block_size, beams=False)
-        print(f"{width:>6}{b['saved_fraction']:>13.3f}{n['saved_fraction']:>11.3f}{b['copies'] / b['steps']:>17.2f}")
+        copies = b["copies"] / b["steps"]
+        print(f"{width:>6}{b['saved_fraction']:>13.3f}{n['saved_fraction']:>11.3f}{copies:>17.2f}")
         result["beam"][f"w{width}"] = {"beam_saved_fraction": round(b["saved_fraction"], 4),
                                         "samples_saved_fraction": round(n["saved_fraction"], 4)}  # fmt: skip
     cost = bookkeeping_cost(args.block_size)

@@ -101,7 +101,8 @@ def run_beam_vs_samples(llm: LLM, reqs: list[Request], width: int, beams: bool) 
             params = SamplingParams(use_beam_search=True, n=width, temperature=0, max_tokens=r.output_len,
                                     ignore_eos=True)  # fmt: skip
         else:
-            params = SamplingParams(n=width, temperature=1.0, seed=i, max_tokens=r.output_len, ignore_eos=True)
+            params = SamplingParams(n=width, temperature=1.0, seed=i, max_tokens=r.output_len,
+                                    ignore_eos=True)  # fmt: skip
         engine.add_request(f"{'b' if beams else 's'}{i}", {"prompt_token_ids": r.prompt_token_ids}, params)
     start = engine.stats()
     logical = physical = 0
@@ -117,7 +118,8 @@ def run_beam_vs_samples(llm: LLM, reqs: list[Request], width: int, beams: bool) 
     assert st.free_blocks == st.num_blocks, "every KV block must be back in the pool"
     tokens = st.generation_tokens - start.generation_tokens
     return {"seconds": elapsed, "tokens": tokens, "tokens_per_s": tokens / elapsed,
-            "saved_fraction": 1 - physical / logical, "preemptions": st.num_preemptions - start.num_preemptions}  # fmt: skip
+            "saved_fraction": 1 - physical / logical,
+            "preemptions": st.num_preemptions - start.num_preemptions}  # fmt: skip
 
 
 def busy_split(llm: LLM, num_requests: int, busy: int, vocab: int) -> dict:
@@ -170,13 +172,16 @@ def main() -> None:
             beam = run_beam_vs_samples(llm, reqs, w, beams=True)
             samples = run_beam_vs_samples(llm, reqs, w, beams=False)
             ratio = beam["tokens_per_s"] / samples["tokens_per_s"]
-            print(f"\n[beam] {len(reqs)} requests; beam search W={w} against n={w} samples, same prompts and lengths")
+            print(f"\n[beam] {len(reqs)} requests; beam search W={w} against n={w} samples, "
+                  "same prompts and lengths")
             for label, r in (("beam search", beam), ("n samples", samples)):
-                print(f"  {label:<12} {r['tokens_per_s']:8.1f} tok/s ({r['tokens']} tokens, {r['seconds']:.1f} s), "
-                      f"KV blocks saved by sharing {r['saved_fraction']:.1%}, preemptions {r['preemptions']}")  # fmt: skip
+                print(f"  {label:<12} {r['tokens_per_s']:8.1f} tok/s ({r['tokens']} tokens, "
+                      f"{r['seconds']:.1f} s), KV blocks saved by sharing {r['saved_fraction']:.1%}, "
+                      f"preemptions {r['preemptions']}")  # fmt: skip
             print(f"  throughput ratio beam/samples {ratio:.2f}")
             result["beam"] = {"width": w, "beam_tokens_per_s": round(beam["tokens_per_s"], 1),
-                              "samples_tokens_per_s": round(samples["tokens_per_s"], 1), "ratio": round(ratio, 2),
+                              "samples_tokens_per_s": round(samples["tokens_per_s"], 1),
+                              "ratio": round(ratio, 2),
                               "beam_saved_fraction": round(beam["saved_fraction"], 4),
                               "samples_saved_fraction": round(samples["saved_fraction"], 4)}  # fmt: skip
             continue

@@ -203,9 +203,11 @@ def generate_main(args: argparse.Namespace) -> int:
     try:
         beam = {}
         if args.beam_width is not None:
-            beam = {"use_beam_search": True, "beam_width": args.beam_width, "length_penalty": args.length_penalty}
+            beam = {"use_beam_search": True, "beam_width": args.beam_width,
+                    "length_penalty": args.length_penalty}  # fmt: skip
         params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed, **beam)  # fmt: skip
+                                top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
+                                **beam)  # fmt: skip
     except SamplingParamsError as exc:
         raise ConfigError(str(exc)) from exc
     llm = LLM(**flags)

@@ -158,7 +158,8 @@ class SamplingParams:
         self.length_penalty = _float("length_penalty", self.length_penalty)
         if self.early_stopping not in EARLY_STOPPING or not isinstance(self.early_stopping, (bool, str)):
             raise SamplingParamsError(
-                "early_stopping", f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}"
+                "early_stopping",
+                f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}",
             )
         if self.beam_width is not None:
             self.beam_width = _int("beam_width", self.beam_width, 1, MAX_NUM_SEQUENCES)
@@ -189,7 +190,8 @@ class SamplingParams:
             ("presence_penalty", self.presence_penalty != 0.0, "0"),
             ("frequency_penalty", self.frequency_penalty != 0.0, "0"),
             ("repetition_penalty", self.repetition_penalty != 1.0, "1"),
-            ("min_tokens", self.min_tokens != 0, "0"), ("stop", bool(self.stop), "empty (use stop_token_ids)"),
+            ("min_tokens", self.min_tokens != 0, "0"),
+            ("stop", bool(self.stop), "empty (use stop_token_ids)"),
             ("logprobs", self.logprobs is not None, "unset"),
             ("prompt_logprobs", self.prompt_logprobs is not None, "unset"),
         )  # fmt: skip

@@ -88,7 +88,8 @@ def test_generate_prints_the_greedy_text(capsys: pytest.CaptureFixture[str]) -> 
 def test_generate_with_beam_search_prints_the_best_beams(capsys: pytest.CaptureFixture[str]) -> None:
     from pagedserve import LLM, BeamSearchParams
 
-    flags = ["--max-model-len", "256", "--kv-cache-memory", "64MiB", "--dtype", "float32", "--max-beam-width", "4"]
+    flags = ["--max-model-len", "256", "--kv-cache-memory", "64MiB", "--dtype", "float32",
+             "--max-beam-width", "4"]  # fmt: skip
     argv = ["generate", "-p", "The capital of France is", "--max-tokens", "8", "--beam-width", "3", "-n", "2"]
     assert main([*argv, *flags]) == 0
     printed = capsys.readouterr().out

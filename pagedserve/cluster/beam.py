@@ -27,6 +27,7 @@ import torch
 
 from pagedserve.sampling import SamplingParams, beam_stop_token_ids, num_beam_candidates
 
+
 @dataclass(slots=True)
 class Hypothesis:
     """A finished beam: its generated tokens and transformers' length-penalized score."""

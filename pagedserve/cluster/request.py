@@ -82,7 +82,8 @@ class Request:
         self.beam_group: Any = None  # its BeamGroup, on every beam of a beam search
         self.fork_of: str | None = None  # a beam forked from this one, until the workers first see it
         self.table_stale = False  # the workers' copy of its block table is out of date: resend it all
-        self.beam_candidates: tuple[list[int], list[float]] | None = None  # this step's, until the group advances
+        # this step's candidates (token ids, logprobs), until the group advances
+        self.beam_candidates: tuple[list[int], list[float]] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -193,7 +193,8 @@ class Scheduler:
             req.num_computed_tokens += n
             sample = req.num_computed_tokens == req.num_tokens
             forks = []
-            if sample and req.params.n > 1 and not req.output_token_ids and req.parent is None and req.beam_group is None:
+            first_sample = sample and not req.output_token_ids and req.parent is None
+            if first_sample and req.params.n > 1 and req.beam_group is None:
                 forks = [f"{req.request_id}#{k}" for k in range(1, req.params.n)]
             plan.seqs.append(
                 ScheduledSeq(

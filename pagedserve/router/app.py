@@ -163,7 +163,8 @@ class EngineDeployment:
             "generation_tokens": s.generation_tokens, "num_blocks": s.num_blocks,
             "free_blocks": s.free_blocks, "cached_blocks": s.cached_blocks,
             "num_group_restarts": s.num_group_restarts, "beam_blocks_physical": s.beam_blocks_physical,
-            "beam_blocks_logical": s.beam_blocks_logical, "beam_block_steps_physical": s.beam_block_steps_physical,
+            "beam_blocks_logical": s.beam_blocks_logical,
+            "beam_block_steps_physical": s.beam_block_steps_physical,
             "beam_block_steps_logical": s.beam_block_steps_logical,
         }  # fmt: skip
 

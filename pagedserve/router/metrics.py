@@ -37,7 +37,8 @@ GAUGES = (
     ("pagedserve:num_gpu_blocks", "num_blocks", "KV blocks in the pool."),
     ("pagedserve:num_free_blocks", "free_blocks", "KV blocks free or cached-free."),
     ("pagedserve:num_cached_blocks", "cached_blocks", "Cached-free KV blocks (evictable prefix cache)."),
-    ("pagedserve:beam_kv_blocks", "beam_blocks_physical", "Distinct KV blocks the live beams of beam searches hold."),
+    ("pagedserve:beam_kv_blocks", "beam_blocks_physical",
+     "Distinct KV blocks the live beams of beam searches hold."),
     ("pagedserve:beam_kv_blocks_unshared", "beam_blocks_logical",
      "KV blocks the live beams would hold without sharing (their block-table entries)."),
 )

@@ -260,8 +260,8 @@ def test_bad_beam_search_params_name_the_parameter(kwargs, param):
 
 
 def test_beam_options_need_beam_search():
-    for kwargs, param in [({"length_penalty": 0.5}, "length_penalty"), ({"early_stopping": True}, "early_stopping"),
-                          ({"beam_width": 2}, "beam_width")]:  # fmt: skip
+    for kwargs, param in [({"length_penalty": 0.5}, "length_penalty"),
+                          ({"early_stopping": True}, "early_stopping"), ({"beam_width": 2}, "beam_width")]:
         with pytest.raises(SamplingParamsError) as err:
             SamplingParams(temperature=0, **kwargs)
         assert err.value.param == param
@@ -311,8 +311,9 @@ def smol_expected(smollm2_dir: Path) -> tuple[list[list[int]], dict[int, list[li
     from pagedserve.worker.loader import load_tokenizer
 
     tok = load_tokenizer(smollm2_dir)
-    prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                            return_dict=True)["input_ids"]) for q in SMOL_QUESTIONS]  # fmt: skip
+    chats = [[{"role": "user", "content": q}] for q in SMOL_QUESTIONS]
+    prompts = [list(tok.apply_chat_template(c, add_generation_prompt=True, return_dict=True)["input_ids"])
+               for c in chats]  # fmt: skip
     eos = [tok.eos_token_id]
     return prompts, {w: [hf_beams(smollm2_dir, p, w, w, 24, eos) for p in prompts] for w in (2, 4, 8)}
 
@@ -328,8 +329,8 @@ def test_smollm2_beams_equal_transformers_under_preemption(smol_expected, mode):
               preemption_mode=mode)  # fmt: skip
     counts = count_plans(llm)
     for width in (2, 4, 8):
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(use_beam_search=True, n=width, temperature=0, max_tokens=24))  # fmt: skip
+        params = SamplingParams(use_beam_search=True, n=width, temperature=0, max_tokens=24)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         assert [[o.token_ids for o in out.outputs] for out in outs] == expected[width], width
     finish = Counter(o.finish_reason for out in outs for o in out.outputs)
     assert finish["stop"] > 0 and finish["length"] > 0

@@ -114,10 +114,10 @@ def test_chat_greedy_equals_offline(client: openai.OpenAI, offline_llm, server: 
 # ---- beam search ----------------------------------------------------------------------------------
 
 
-def hf_beam_texts(server_model_dir, tokenizer, prompt_ids: list[int], width: int, n: int, max_new: int) -> list[str]:
+def hf_beam_texts(model_dir, tokenizer, prompt_ids: list[int], width: int, n: int, max_new: int) -> list[str]:
     from tests.cluster.test_beam_search import hf_beams
 
-    beams = hf_beams(server_model_dir, prompt_ids, width, n, max_new, [tokenizer.eos_token_id])
+    beams = hf_beams(model_dir, prompt_ids, width, n, max_new, [tokenizer.eos_token_id])
     return [tokenizer.decode(b, skip_special_tokens=True) for b in beams]
 
 
@@ -141,7 +141,8 @@ def test_beam_search_over_http_equals_transformers(client: openai.OpenAI, offlin
     assert chat.usage.completion_tokens > 0
     # Streaming sends the final beams only (beams change until the search ends): same texts.
     chunks = list(client.chat.completions.create(
-        model=server.model, messages=CHAT, n=3, max_tokens=16, stream=True, extra_body={"use_beam_search": True},
+        model=server.model, messages=CHAT, n=3, max_tokens=16, stream=True,
+        extra_body={"use_beam_search": True},
     ))  # fmt: skip
     texts: dict[int, str] = defaultdict(str)
     for chunk in chunks:
@@ -158,7 +159,8 @@ def test_beam_sharing_is_in_the_metrics(client: openai.OpenAI, http: httpx2.Clie
     while True:
         m = metrics(http)
         shared = total(m, "pagedserve:beam_kv_block_steps", "pagedserve:beam_kv_block_steps_total")
-        unshared = total(m, "pagedserve:beam_kv_block_steps_unshared", "pagedserve:beam_kv_block_steps_unshared_total")
+        name = "pagedserve:beam_kv_block_steps_unshared"
+        unshared = total(m, name, f"{name}_total")
         if shared > 0 or time.monotonic() > deadline:
             break
         time.sleep(0.2)
