@@ -58,15 +58,17 @@ def save_tiny_engine_model(folder: Path, tokenizer_dir: Path, kind: str = "llama
     that greedy choices are not near-ties (so fp32 reduction order cannot flip them).
 
     kind "llama": GQA, 2 KV heads. kind "qwen2": one KV head (replicated under tensor parallelism)
-    and QKV biases.
+    and QKV biases. kind "qwen3": 2 KV heads, query/key RMSNorm, head_dim 32 (not 64 / 4).
     """
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     from pagedserve.worker.loader import load_tokenizer
 
     if kind == "llama":
         config = LlamaConfig(**_TINY, num_key_value_heads=2, architectures=["LlamaForCausalLM"])
+    elif kind == "qwen3":
+        config = Qwen3Config(**_TINY, num_key_value_heads=2, head_dim=32, architectures=["Qwen3ForCausalLM"])
     else:
         config = Qwen2Config(**_TINY, num_key_value_heads=1, architectures=["Qwen2ForCausalLM"],
                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})  # fmt: skip
@@ -92,3 +94,9 @@ def tiny_engine_model(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Pat
 def tiny_engine_qwen2(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     """The tiny Qwen2 (4 heads, 1 KV head, QKV bias) with SmolLM2's tokenizer."""
     return save_tiny_engine_model(tmp_path_factory.mktemp("tiny_qwen2"), smollm2_dir, "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_qwen3(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """The tiny Qwen3 (4 heads, 2 KV heads, query/key norms) with SmolLM2's tokenizer."""
+    return save_tiny_engine_model(tmp_path_factory.mktemp("tiny_qwen3"), smollm2_dir, "qwen3")

@@ -79,6 +79,15 @@ def test_greedy_with_prefix_caching_equals_transformers(tiny_engine_model, expec
     assert_pool_empty(llm)
 
 
+def test_qwen3_greedy_with_prefix_caching_equals_transformers(tiny_engine_qwen3):
+    prompts = mixed_prompts(8, seed=3)
+    llm = LLM(str(tiny_engine_qwen3), dtype="float32", num_gpu_blocks_override=64, max_model_len=160,
+              block_size=8)  # fmt: skip
+    assert run(llm, prompts, GREEDY) == hf_greedy(tiny_engine_qwen3, prompts, MAX_NEW)
+    assert llm.stats().prefix_cache_hits > 0
+    assert_pool_empty(llm)
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_greedy_under_preemption_equals_transformers(tiny_engine_model, expected, mode):
     llm = LLM(

@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 _COMMON = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                num_attention_heads=4, max_position_embeddings=256, rms_norm_eps=1e-5)
@@ -25,6 +32,10 @@ TINY_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
         "rope_type": "default", "rope_theta": 1000.0}, architectures=["Qwen2ForCausalLM"]),
     "mistral": lambda: MistralConfig(**_COMMON, num_key_value_heads=2, head_dim=32, sliding_window=5,
                                      architectures=["MistralForCausalLM"]),
+    # Qwen3: no QKV bias, query/key RMSNorm per head, head_dim apart from hidden_size / heads, and
+    # sliding-window layers after the first (layer_types)
+    "qwen3": lambda: Qwen3Config(**_COMMON, num_key_value_heads=2, head_dim=32, use_sliding_window=True,
+                                 sliding_window=5, max_window_layers=1, architectures=["Qwen3ForCausalLM"]),
     "llama3": lambda: LlamaConfig(**_COMMON, num_key_value_heads=2, rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 16}, architectures=["LlamaForCausalLM"]),

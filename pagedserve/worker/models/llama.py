@@ -1,8 +1,9 @@
-"""The Llama family over paged attention: Llama 2/3, Mistral, Qwen2, SmolLM2.
+"""The Llama family over paged attention: Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2.
 
 One tensor-parallel rank of the decoder; the variants differ only in config fields:
-QKV bias (Qwen2, or `attention_bias`), sliding window (Mistral's `sliding_window`, Qwen2's
-per-layer `layer_types`), RoPE scaling (`rope_parameters`), tied embeddings, `head_dim`.
+QKV bias (Qwen2, or `attention_bias`), query/key RMSNorm per head (Qwen3), sliding window
+(Mistral's `sliding_window`, Qwen2's and Qwen3's per-layer `layer_types`), RoPE scaling
+(`rope_parameters`), tied embeddings, `head_dim`.
 Tokens of all sequences in a step are one flat batch [T]; the attention metadata says which
 rows belong to which sequence and where their KV lives.
 """
@@ -81,10 +82,19 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim,
                               scale=head_dim**-0.5, sliding_window=sliding_window_of(config, layer_idx))
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.head_dim = head_dim
+        # Qwen3: each head's query and key are RMS-normalized (weights over head_dim) before RoPE
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
 
     def forward(self, positions: Tensor, hidden: Tensor, kv_cache: tuple[Tensor, Tensor],
                 meta: AttentionMetadata) -> Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
