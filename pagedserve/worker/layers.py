@@ -275,6 +275,29 @@ class RMSNorm(nn.Module):
         return self._norm(x), x
 
 
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: scales by (1 + weight), multiplied in fp32 before the cast back (Llama's
+    casts first, then multiplies)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _parameter(hidden_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GeluTanhAndMul(nn.Module):
+    """gelu_tanh(x[..., :d]) * x[..., d:]: Gemma's gated MLP activation (GeGLU, tanh-approximated)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
 class SiluAndMul(nn.Module):
     """silu(x[..., :d]) * x[..., d:] for x of last dimension 2d (the gated MLP activation)."""
 

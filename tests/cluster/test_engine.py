@@ -79,11 +79,14 @@ def test_greedy_with_prefix_caching_equals_transformers(tiny_engine_model, expec
     assert_pool_empty(llm)
 
 
-def test_qwen3_greedy_with_prefix_caching_equals_transformers(tiny_engine_qwen3):
+@pytest.mark.parametrize("kind", ["qwen3", "gemma3"])
+def test_other_families_greedy_with_prefix_caching_equals_transformers(kind, tiny_engine_qwen3,
+                                                                      tiny_engine_gemma3):  # fmt: skip
+    """Qwen3 and Gemma 3 (prompts of up to 70 tokens against its 16-token window) at size 1."""
+    model = tiny_engine_qwen3 if kind == "qwen3" else tiny_engine_gemma3
     prompts = mixed_prompts(8, seed=3)
-    llm = LLM(str(tiny_engine_qwen3), dtype="float32", num_gpu_blocks_override=64, max_model_len=160,
-              block_size=8)  # fmt: skip
-    assert run(llm, prompts, GREEDY) == hf_greedy(tiny_engine_qwen3, prompts, MAX_NEW)
+    llm = LLM(str(model), dtype="float32", num_gpu_blocks_override=64, max_model_len=160, block_size=8)
+    assert run(llm, prompts, GREEDY) == hf_greedy(model, prompts, MAX_NEW)
     assert llm.stats().prefix_cache_hits > 0
     assert_pool_empty(llm)
 

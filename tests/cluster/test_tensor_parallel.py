@@ -51,13 +51,15 @@ def _alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_size_2_greedy_equals_transformers_with_caching_chunking_and_preemption(
-    kind, tiny_engine_model, tiny_engine_qwen2, tiny_engine_qwen3
+    kind, tiny_engine_model, tiny_engine_qwen2, tiny_engine_qwen3, tiny_engine_gemma3
 ):
     """Llama (2 KV heads: one per rank), Qwen2 (1 KV head: replicated on both ranks), Qwen3 (query
-    and key norms over each rank's heads)."""
-    model = {"llama": tiny_engine_model, "qwen2": tiny_engine_qwen2, "qwen3": tiny_engine_qwen3}[kind]
+    and key norms over each rank's heads), Gemma 3 (1 KV head; a sliding layer and a global one)."""
+    models = {"llama": tiny_engine_model, "qwen2": tiny_engine_qwen2, "qwen3": tiny_engine_qwen3,
+              "gemma3": tiny_engine_gemma3}  # fmt: skip
+    model = models[kind]
     prompts = mixed_prompts()
     expected = hf_greedy(model, prompts, MAX_NEW)
     for mode in ("recompute", "swap"):

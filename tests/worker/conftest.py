@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
@@ -36,6 +37,12 @@ TINY_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     # sliding-window layers after the first (layer_types)
     "qwen3": lambda: Qwen3Config(**_COMMON, num_key_value_heads=2, head_dim=32, use_sliding_window=True,
                                  sliding_window=5, max_window_layers=1, architectures=["Qwen3ForCausalLM"]),
+    # Gemma 3: one KV head, (1 + w) norms around attention and MLP, query/key norms, GeGLU, a
+    # sliding layer (window 5, local RoPE base) then a global one, soft-capped logits
+    "gemma3": lambda: Gemma3TextConfig(**_COMMON, num_key_value_heads=1, head_dim=32, sliding_window=5,
+                                       layer_types=["sliding_attention", "full_attention"],
+                                       query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+                                       architectures=["Gemma3ForCausalLM"]),
     "llama3": lambda: LlamaConfig(**_COMMON, num_key_value_heads=2, rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 16}, architectures=["LlamaForCausalLM"]),

@@ -5,9 +5,11 @@ from __future__ import annotations
 from torch import nn
 from transformers import PretrainedConfig
 
+from pagedserve.worker.models.gemma3 import Gemma3ForCausalLM
 from pagedserve.worker.models.llama import LlamaForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,

@@ -173,7 +173,10 @@ class LlamaForCausalLM(nn.Module):
 
     Parameters are created uninitialized in `dtype` on the current default device (build it under
     `with torch.device(...)`); load_weights fills them. The RoPE cos/sin cache stays fp32.
+    Other families with Llama's checkpoint names (Gemma 3) only swap `model_class`.
     """
+
+    model_class: type[nn.Module] = LlamaModel
 
     def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype = torch.float32,
                  tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -181,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
         self.config, self.dtype = config, dtype
         self.tp_rank, self.tp_size = tp_rank, tp_size
         with _default_dtype(dtype):
-            self.model = LlamaModel(config, tp_rank, tp_size)
+            self.model = self.model_class(config, tp_rank, tp_size)
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
                                           tp_rank=tp_rank, tp_size=tp_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
