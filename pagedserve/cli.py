@@ -167,11 +167,17 @@ def serve_main(args: argparse.Namespace) -> int:
     from pagedserve.router.app import APP_NAME, deploy, served_model_name
 
     config = serve_config_from_args(args)
-    tp = config.engine.parallel.tensor_parallel_size
-    if tp > 1:  # refuse a size the model's heads cannot split before anything starts
-        from pagedserve.worker.loader import check_tensor_parallel, load_config, resolve_model
+    # refuse an architecture we do not implement, or a size its heads cannot split, before
+    # anything starts (not as a shape error in a replica that is loading weights)
+    from pagedserve.worker.loader import check_tensor_parallel, load_config, resolve_model
+    from pagedserve.worker.models import UnsupportedModel, get_model_class
 
-        check_tensor_parallel(load_config(resolve_model(config.engine.model.model)), tp)
+    hf_config = load_config(resolve_model(config.engine.model.model))
+    try:
+        get_model_class(hf_config)
+    except UnsupportedModel as exc:
+        raise ConfigError(str(exc)) from exc
+    check_tensor_parallel(hf_config, config.engine.parallel.tensor_parallel_size)
     signal.signal(signal.SIGTERM, _interrupt)
     temp_dir = None
     try:

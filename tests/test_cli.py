@@ -101,3 +101,19 @@ def test_generate_with_beam_search_prints_the_best_beams(capsys: pytest.CaptureF
     assert printed == "".join(t + "\n" for t in texts)
     assert main([*argv[:-4], "--beam-width", "5", *flags]) == 2  # above --max-beam-width 4
     assert "--max-beam-width 4" in capsys.readouterr().err
+
+
+def test_an_unsupported_architecture_is_refused_before_anything_starts(tmp_path, capsys, smollm2_dir) -> None:
+    import json
+    import shutil
+
+    from pagedserve.worker.models import MODEL_REGISTRY
+
+    folder = tmp_path / "gpt2"
+    shutil.copytree(smollm2_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (folder / "config.json").write_text(json.dumps(config))
+    assert main(["serve", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert "GPT2LMHeadModel" in err and all(arch in err for arch in MODEL_REGISTRY)

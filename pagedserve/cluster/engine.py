@@ -33,6 +33,7 @@ from pagedserve.config import ConfigError, EngineConfig
 from pagedserve.plan import StepOutput, StepPlan
 from pagedserve.sampling import SamplingParams, SamplingParamsError
 from pagedserve.worker.loader import check_tensor_parallel, load_config, load_tokenizer, resolve_model
+from pagedserve.worker.models import get_model_class
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ class Engine:
         self.eos_token_ids = eos_token_ids(self.tokenizer, hf_config)
         self.vocab_size = hf_config.vocab_size
         self.max_model_len = mc.max_model_len or hf_config.max_position_embeddings
+        get_model_class(hf_config)  # an architecture we do not implement fails here, naming ours
         check_tensor_parallel(hf_config, config.parallel.tensor_parallel_size)
         worker_kwargs = {"dtype": mc.dtype, "seed": mc.seed, "eos_token_ids": self.eos_token_ids}
         self.executor = executor or make_executor(config.parallel, self.model_path, worker_kwargs)
