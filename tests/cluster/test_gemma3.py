@@ -90,7 +90,8 @@ def test_greedy_batch_16_equals_transformers_with_caching_chunking_and_preemptio
     llm = LLM(str(gemma3_dir), dtype="float32", max_model_len=1024, block_size=16, num_gpu_blocks_override=76,
               max_num_batched_tokens=256, preemption_mode=mode)  # fmt: skip
     counts = count_plans(llm)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert [o.outputs[0].token_ids for o in outs] == expected
     st = llm.stats()
     assert st.num_preemptions > 0 and st.prefix_cache_hits > 0
