@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: install test test-fast lint serve bench bench-peers clean
+.PHONY: install test test-fast test-reliability lint serve bench bench-peers clean
 
 install: $(STAMP)
 
@@ -30,6 +30,10 @@ $(STAMP): pyproject.toml
 
 test: install
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -ra tests
+
+# Long randomized runs kept out of `make test`: the engine fuzz with 1,000 random programs.
+test-reliability: install
+	PAGEDSERVE_FUZZ_EXAMPLES=1000 OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -ra tests/cluster/test_engine_fuzz.py
 
 test-fast: install
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -ra -m "not slow" tests
