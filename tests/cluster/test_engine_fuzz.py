@@ -209,3 +209,48 @@ def test_engine_fuzz_with_a_shadow_pool(model_dir, data):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     bm = engine.block_manager
     assert sorted(bm.host_free) == list(range(bm.num_host_blocks)) and not any(bm.host_ref_count)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_engine_loop_with_random_aborts_on_a_real_model(tiny_engine_model, seed):
+    """The tiny model for real: 24 mixed requests (greedy, n = 3 samples, width-3 beam searches)
+    into a pool small enough to preempt, a random abort now and then; the greedy requests that were
+    not aborted still equal transformers', and at the end every block is free."""
+    from tests.cluster.test_engine import hf_greedy
+
+    rng = random.Random(seed)
+    engine = Engine(EngineConfig.from_flags(
+        model=str(tiny_engine_model), dtype="float32", max_model_len=96, block_size=4,
+        num_gpu_blocks_override=48, max_num_batched_tokens=32,
+        preemption_mode=["recompute", "swap"][seed % 2],
+    ))  # fmt: skip
+    prompts, kinds = {}, {}
+    for i in range(24):
+        prompt = rng.choice(PREFIXES + [[]]) + [rng.randrange(100, 40000) for _ in range(rng.randrange(3, 20))]
+        kind = rng.choice(["greedy", "samples", "beam"])
+        params = {
+            "greedy": SamplingParams(temperature=0, max_tokens=8),
+            "samples": SamplingParams(n=3, temperature=1.0, seed=i, max_tokens=8),
+            "beam": SamplingParams(use_beam_search=True, n=2, beam_width=3, temperature=0, max_tokens=8),
+        }[kind]
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+        prompts[f"r{i}"], kinds[f"r{i}"] = prompt, kind
+    finals, aborted = {}, set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        check_engine(engine)
+        if rng.random() < 0.1:
+            live = sorted(set(prompts) - set(finals) - aborted)
+            if live:
+                victim = rng.choice(live)
+                finals[victim] = engine.abort_request(victim)
+                aborted.add(victim)
+    engine.step()
+    assert engine.stats().num_preemptions > 0 and aborted
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    greedy = sorted(r for r in prompts if kinds[r] == "greedy" and r not in aborted)
+    expected = hf_greedy(tiny_engine_model, [prompts[r] for r in greedy], 8)
+    assert [finals[r].outputs[0].token_ids for r in greedy] == expected
+    assert all(finals[r].outputs[0].finish_reason == "abort" for r in aborted)
