@@ -226,7 +226,8 @@ def test_engine_loop_with_random_aborts_on_a_real_model(tiny_engine_model, seed)
     ))  # fmt: skip
     prompts, kinds = {}, {}
     for i in range(24):
-        prompt = rng.choice(PREFIXES + [[]]) + [rng.randrange(100, 40000) for _ in range(rng.randrange(3, 20))]
+        tail = [rng.randrange(100, 40000) for _ in range(rng.randrange(3, 20))]
+        prompt = rng.choice(PREFIXES + [[]]) + tail
         kind = rng.choice(["greedy", "samples", "beam"])
         params = {
             "greedy": SamplingParams(temperature=0, max_tokens=8),
