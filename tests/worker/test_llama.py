@@ -95,9 +95,13 @@ def test_llama3_rope_matches_transformers() -> None:
 
 
 def test_registry_names_supported_architectures() -> None:
-    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
+    from pagedserve.worker.models.gemma3 import Gemma3ForCausalLM
+
+    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         assert get_model_class(LlamaConfig(architectures=[arch])) is LlamaForCausalLM
-    with pytest.raises(UnsupportedModel, match="GPT2LMHeadModel.*supported: \\['LlamaForCausalLM'"):
+    assert get_model_class(LlamaConfig(architectures=["Gemma3ForCausalLM"])) is Gemma3ForCausalLM
+    supported = "supported: \\['Gemma3ForCausalLM', 'LlamaForCausalLM'"
+    with pytest.raises(UnsupportedModel, match=f"GPT2LMHeadModel.*{supported}"):
         get_model_class(LlamaConfig(architectures=["GPT2LMHeadModel"]))
 
 
