@@ -30,6 +30,8 @@ from torch import Tensor
 SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit and vLLM's default --max-logprobs
 MAX_NUM_SEQUENCES = 128  # OpenAI's limit on n
+MAX_STOP_SEQUENCES = 64  # stop strings, and stop token ids, per request
+MAX_STOP_LENGTH = 1024  # characters of one stop string
 EARLY_STOPPING = (False, True, "never")  # transformers' beam-search stopping rules
 Device = torch.device | str
 _SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF  # torch.Generator.manual_seed takes 64-bit seeds
@@ -54,7 +56,7 @@ class SamplingParamsError(ValueError):
 
 def _int(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise SamplingParamsError(name, f"{name} must be an integer, got {value!r}")
+        raise SamplingParamsError(name, f"{name} must be an integer, got {_short(value)}")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         bounds = f"at least {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise SamplingParamsError(name, f"{name} must be {bounds}, got {value}")
@@ -68,12 +70,12 @@ def _float(name: str, value: Any) -> float:
                 return float(value)
         except OverflowError:  # an int beyond float range
             pass
-    raise SamplingParamsError(name, f"{name} must be a finite number, got {value!r}")
+    raise SamplingParamsError(name, f"{name} must be a finite number, got {_short(value)}")
 
 
 def _bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise SamplingParamsError(name, f"{name} must be a boolean, got {value!r}")
+        raise SamplingParamsError(name, f"{name} must be a boolean, got {_short(value)}")
     return value
 
 
@@ -210,12 +212,23 @@ class SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise SamplingParamsError(
-                "stop", f"stop must be a string or a list of non-empty strings: {stop!r}"
+                "stop", f"stop must be a string or a list of non-empty strings: {_short(stop)}"
             )
+        # Every stop string is searched in each new piece of text and held back from streams:
+        # bounded, generously (OpenAI allows 4).
+        if len(stop) > MAX_STOP_SEQUENCES or any(len(s) > MAX_STOP_LENGTH for s in stop):
+            raise SamplingParamsError(
+                "stop", f"stop takes at most {MAX_STOP_SEQUENCES} strings of at most {MAX_STOP_LENGTH} "
+                f"characters, got {len(stop)} of up to {max(map(len, stop))}"
+            )  # fmt: skip
         self.stop = list(stop)
         ids = self.stop_token_ids
         if not isinstance(ids, (list, tuple)):
-            raise SamplingParamsError("stop_token_ids", f"stop_token_ids must be a list, got {ids!r}")
+            raise SamplingParamsError("stop_token_ids", f"stop_token_ids must be a list, got {_short(ids)}")
+        if len(ids) > MAX_STOP_SEQUENCES:
+            raise SamplingParamsError(
+                "stop_token_ids", f"stop_token_ids takes at most {MAX_STOP_SEQUENCES} ids, got {len(ids)}"
+            )
         self.stop_token_ids = [_int("stop_token_ids", i, 0) for i in ids]
 
     @property
@@ -277,6 +290,12 @@ def num_beam_candidates(params: SamplingParams, eos_token_ids: Sequence[int]) ->
     appears at most once per beam), so W beams always live on.
     """
     return max(2, 1 + len(beam_stop_token_ids(params, eos_token_ids))) * params.width
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters: error messages never echo a huge input back."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _copy_plain(value: Any) -> Any:

@@ -568,3 +568,19 @@ def test_prompt_logprobs(monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
         assert entry.rank == order.index(prompt[i]) + 1
         assert entry.top_token_ids == order[:4]
     assert compute_prompt_logprobs(logits[:0], [5], 2) == [None]
+
+
+def test_stop_lists_are_bounded_and_errors_do_not_echo_huge_inputs() -> None:
+    from pagedserve.sampling import MAX_STOP_LENGTH, MAX_STOP_SEQUENCES
+
+    SamplingParams(stop=["x"] * MAX_STOP_SEQUENCES, stop_token_ids=list(range(MAX_STOP_SEQUENCES)))
+    for kwargs, param in [
+        ({"stop": ["x"] * (MAX_STOP_SEQUENCES + 1)}, "stop"),
+        ({"stop": ["y" * (MAX_STOP_LENGTH + 1)]}, "stop"),
+        ({"stop_token_ids": list(range(MAX_STOP_SEQUENCES + 1))}, "stop_token_ids"),
+        ({"stop": [1] * 100_000}, "stop"),
+        ({"max_tokens": "9" * 100_000}, "max_tokens"),
+    ]:
+        with pytest.raises(SamplingParamsError) as err:
+            SamplingParams(**kwargs)
+        assert err.value.param == param and len(str(err.value)) < 300

@@ -447,6 +447,47 @@ def test_malformed_unknown_and_oversized_requests(http: httpx2.Client) -> None:
     assert error["code"] == "request_too_large"
 
 
+def engine_idle_and_pool_free(http: httpx2.Client) -> None:
+    """Every replica idle with every KV block back in its pool (free or cached-free)."""
+    deadline = time.monotonic() + 30
+    while True:
+        m = metrics(http)
+        running = total(m, "pagedserve:num_requests_running")
+        free = total(m, "pagedserve:num_free_blocks")
+        blocks = total(m, "pagedserve:num_gpu_blocks")
+        if (running == 0 and free == blocks) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert running == 0 and free == blocks, (running, free, blocks)
+
+
+HOSTILE = [
+    # (what, request body bytes or JSON, expected status, param)
+    ("invalid UTF-8", b'{"prompt": "' + bytes([0xFF, 0xFE]) + b' ok", "max_tokens": 2}', 400, None),
+    ("nested 10,000 deep", b'{"prompt": ' + b"[" * 10000 + b"]" * 10000 + b"}", 400, None),
+    ("a million prompt token ids", {"prompt": [1] * 1_000_000, "max_tokens": 1}, 400, None),
+    ("n above the limit", {"prompt": "hi", "n": 129}, 400, "n"),
+    ("absurd max_tokens", {"prompt": "hi", "max_tokens": 10**12}, 400, "max_tokens"),
+    ("stop of the wrong type", {"prompt": "hi", "stop": {"a": 1}}, 400, "stop"),
+    ("too many stop strings", {"prompt": "hi", "stop": [str(i) for i in range(1000)]}, 400, "stop"),
+    ("top_p above 1", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("a float where an int goes", {"prompt": "hi", "max_tokens": 2.5}, 400, "max_tokens"),
+    ("no prompt at all", {"max_tokens": 2}, 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("what", "body", "status", "param"), HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_completion_bodies(http: httpx2.Client, server: Server, what: str, body: Any, status: int,
+                                   param: str | None) -> None:  # fmt: skip
+    if isinstance(body, dict):
+        body = json.dumps({"model": server.model, **body}).encode()
+    response = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert_openai_error(response, status, param)
+    ok = http.post("/v1/completions", json={"model": server.model, "prompt": PROMPT, "max_tokens": 2})
+    assert ok.status_code == 200, ok.text  # the next valid request is served
+    engine_idle_and_pool_free(http)
+
+
 def test_api_key_is_required(server: Server) -> None:
     body = {"model": server.model, "prompt": PROMPT, "max_tokens": 1}
     with httpx2.Client(base_url=server.base_url, timeout=60) as anonymous:
