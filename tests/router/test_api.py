@@ -488,6 +488,38 @@ def test_hostile_completion_bodies(http: httpx2.Client, server: Server, what: st
     engine_idle_and_pool_free(http)
 
 
+def test_500_streams_never_read_get_backpressure_and_the_server_stays_up(http: httpx2.Client,
+                                                                         server: Server) -> None:  # fmt: skip
+    """500 raw connections each send a streamed request and never read a byte: the replicas take
+    what their queues hold and refuse the rest (503), a normal request is still served meanwhile,
+    and once the clients leave every block comes back."""
+    import socket
+
+    host, port = server.base_url.removeprefix("http://").split(":")
+    body = json.dumps({"model": server.model, "prompt": PROMPT, "max_tokens": 64, "stream": True,
+                       "ignore_eos": True}).encode()  # fmt: skip
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {server.api_key}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    socks = []
+    try:
+        for _ in range(500):
+            s = socket.create_connection((host, int(port)), timeout=10)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.sendall(request)
+            socks.append(s)
+        time.sleep(2)
+        ok = http.post("/v1/completions", json={"model": server.model, "prompt": PROMPT, "max_tokens": 2})
+        assert ok.status_code in (200, 503), ok.text
+        if ok.status_code == 503:
+            assert int(ok.headers["retry-after"]) >= 1
+    finally:
+        for s in socks:
+            s.close()
+    engine_idle_and_pool_free(http)
+    ok = http.post("/v1/completions", json={"model": server.model, "prompt": PROMPT, "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
 def test_api_key_is_required(server: Server) -> None:
     body = {"model": server.model, "prompt": PROMPT, "max_tokens": 1}
     with httpx2.Client(base_url=server.base_url, timeout=60) as anonymous:
