@@ -12,7 +12,8 @@ Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``:
   ``param`` naming the field) and a prompt that, with max_tokens, exceeds max_model_len;
 - 401 a missing or wrong API key (``Authorization: Bearer``) on every route but /health and
   /metrics, when the server has one;
-- 404 an unknown model or route; 413 a body over ``max_body_bytes``;
+- 404 an unknown model or route; 408 a body not received within ``body_timeout_s`` (slow
+  clients); 413 a body over ``max_body_bytes``;
 - 503 with Retry-After when the engine replicas' queues are full (backpressure, never OOM);
 - 500 for anything unexpected; the server keeps running.
 
@@ -53,6 +54,7 @@ from pagedserve.sampling import SamplingParams, SamplingParamsError
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20  # ~1M prompt tokens as JSON ids; far beyond any context we serve
+BODY_TIMEOUT_S = 30.0  # a request body trickled slower than this (slow-loris) gets a 408
 OPEN_PATHS = ("/health", "/metrics")  # answered without an API key, as vLLM does
 
 
@@ -88,11 +90,13 @@ class EngineClient(Protocol):
 
 def build_api(model: ModelInfo, tokenizer: PreTrainedTokenizerBase, client: EngineClient,
               metrics: IngressMetrics, *, api_key: str | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:  # fmt: skip
+              max_body_bytes: int = MAX_BODY_BYTES,
+              body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:  # fmt: skip
     """The FastAPI app of the OpenAI-compatible API over ``client``."""
     server = OpenAIServer(model, tokenizer, client, metrics)
     app = FastAPI(title="pagedserve", version="0.1.0")
-    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes,
+                       body_timeout_s=body_timeout_s)  # fmt: skip
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -108,7 +112,8 @@ def build_api(model: ModelInfo, tokenizer: PreTrainedTokenizerBase, client: Engi
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+        code = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout",
+                413: "request_too_large"}.get(exc.status_code)  # fmt: skip
         return error_response(OpenAIError(exc.status_code, str(exc.detail), code=code))
 
     @app.exception_handler(Exception)
@@ -175,12 +180,15 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
 
 
 class RequestGuard:
-    """ASGI middleware run before routing: the API key check and the body size limit."""
+    """ASGI middleware run before routing: the API key check, the body size limit, and the time
+    the whole body may take to arrive (a client trickling it gets a 408, not a held slot)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int,
+                 body_timeout_s: float = BODY_TIMEOUT_S) -> None:  # fmt: skip
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -197,15 +205,27 @@ class RequestGuard:
             await error_response(self._too_large())(scope, receive, send)
             return
         received = 0
+        body_done = False
+        deadline = asyncio.get_running_loop().time() + self.body_timeout_s
 
         async def limited_receive() -> Message:
-            # A body sent without Content-Length (chunked) is counted as it arrives.
-            nonlocal received
-            message = await receive()
+            # A body sent without Content-Length (chunked) is counted as it arrives. Until the
+            # body is complete each wait is bounded by the deadline; after it, receive() waits for
+            # the client's disconnect during a stream, unbounded.
+            nonlocal received, body_done
+            if body_done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+            except asyncio.TimeoutError:
+                raise StarletteHTTPException(
+                    408, f"the request body did not arrive within {self.body_timeout_s:g} s"
+                ) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
                     raise StarletteHTTPException(413, self._too_large().message)
+                body_done = not message.get("more_body", False)
             return message
 
         await self.app(scope, limited_receive, send)
