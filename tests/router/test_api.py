@@ -447,20 +447,6 @@ def test_malformed_unknown_and_oversized_requests(http: httpx2.Client) -> None:
     assert error["code"] == "request_too_large"
 
 
-def engine_idle_and_pool_free(http: httpx2.Client) -> None:
-    """Every replica idle with every KV block back in its pool (free or cached-free)."""
-    deadline = time.monotonic() + 30
-    while True:
-        m = metrics(http)
-        running = total(m, "pagedserve:num_requests_running")
-        free = total(m, "pagedserve:num_free_blocks")
-        blocks = total(m, "pagedserve:num_gpu_blocks")
-        if (running == 0 and free == blocks) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert running == 0 and free == blocks, (running, free, blocks)
-
-
 HOSTILE = [
     # (what, request body bytes or JSON, expected status, param)
     ("invalid UTF-8", b'{"prompt": "' + bytes([0xFF, 0xFE]) + b' ok", "max_tokens": 2}', 400, None),
@@ -485,7 +471,7 @@ def test_hostile_completion_bodies(http: httpx2.Client, server: Server, what: st
     assert_openai_error(response, status, param)
     ok = http.post("/v1/completions", json={"model": server.model, "prompt": PROMPT, "max_tokens": 2})
     assert ok.status_code == 200, ok.text  # the next valid request is served
-    engine_idle_and_pool_free(http)
+    wait_until_idle(http)
 
 
 def test_500_streams_never_read_get_backpressure_and_the_server_stays_up(http: httpx2.Client,
@@ -515,7 +501,7 @@ def test_500_streams_never_read_get_backpressure_and_the_server_stays_up(http: h
     finally:
         for s in socks:
             s.close()
-    engine_idle_and_pool_free(http)
+    wait_until_idle(http)
     ok = http.post("/v1/completions", json={"model": server.model, "prompt": PROMPT, "max_tokens": 2})
     assert ok.status_code == 200, ok.text
 
@@ -604,6 +590,56 @@ def test_overload_gets_503_with_retry_after(server: Server, http: httpx2.Client)
         else:
             assert r.json()["usage"]["completion_tokens"] == 24
     wait_until_idle(http)
+
+
+def test_open_loop_overload_is_shed_and_served_requests_finish(server: Server, http: httpx2.Client) -> None:
+    """Open-loop Poisson arrivals at 2x, then 5x, the measured capacity (a short version of the
+    reliability run): every answer is a 200 with all its tokens or a 503 with Retry-After sent at
+    once; nothing else; the queues stay bounded; afterwards every block is free."""
+    import random
+
+    body = {"model": server.model, "max_tokens": 16, "ignore_eos": True, "temperature": 0}
+    headers = {"Authorization": f"Bearer {server.api_key}"}
+
+    async def run(rate: float, seconds: float, seed: int) -> list[tuple[int, float, str | None]]:
+        rng = random.Random(seed)
+        async with httpx2.AsyncClient(base_url=server.base_url, headers=headers, timeout=120) as c:
+
+            async def one(i: int) -> tuple[int, float, str | None]:
+                start = time.monotonic()
+                r = await c.post("/v1/completions", json=body | {"prompt": f"Item {seed}-{i}:"})
+                tokens = r.json()["usage"]["completion_tokens"] if r.status_code == 200 else None
+                return r.status_code, time.monotonic() - start, r.headers.get("retry-after") or tokens
+
+            tasks, t, i = [], 0.0, 0
+            while t < seconds:  # arrivals do not wait for answers (open loop)
+                tasks.append(asyncio.ensure_future(one(i)))
+                gap = rng.expovariate(rate)
+                t += gap
+                i += 1
+                await asyncio.sleep(gap)
+            return await asyncio.gather(*tasks)
+
+    # capacity: 8 requests at once (what the two replicas run), completions per second
+    start = time.monotonic()
+    warm = asyncio.run(run(1000.0, 0.008, 0))
+    capacity = len(warm) / (time.monotonic() - start)
+    for factor, seconds in ((2, 12.0), (5, 8.0)):
+        results = asyncio.run(run(factor * capacity, seconds, factor))
+        statuses = {status for status, _, _ in results}
+        assert statuses <= {200, 503}, statuses
+        admitted = [(lat, extra) for status, lat, extra in results if status == 200]
+        rejected = [(lat, extra) for status, lat, extra in results if status == 503]
+        assert admitted and all(extra == 16 for _, extra in admitted)
+        assert all(int(extra) >= 1 for _, extra in rejected)
+        if rejected:
+            assert sorted(lat for lat, _ in rejected)[len(rejected) // 2] < 1.0  # shed at once
+        lat = sorted(lat for lat, _ in admitted)
+        print(f"\n{factor}x capacity ({factor * capacity:.1f} req/s offered for {seconds:.0f} s): "
+              f"{len(results)} sent, {len(admitted)} served ({len(admitted) / seconds:.2f} req/s goodput), "
+              f"reject rate {len(rejected) / len(results):.0%}, "
+              f"p99 latency of served {lat[int(0.99 * (len(lat) - 1))]:.2f} s")  # fmt: skip
+    wait_until_idle(http, timeout=60)
 
 
 def test_metrics_parse_and_count(http: httpx2.Client, server: Server) -> None:
