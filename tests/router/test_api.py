@@ -506,6 +506,33 @@ def test_500_streams_never_read_get_backpressure_and_the_server_stays_up(http: h
     assert ok.status_code == 200, ok.text
 
 
+def test_cors_is_off_and_the_api_key_is_never_logged(server: Server, http: httpx2.Client) -> None:
+    """No CORS headers for a browser's cross-origin request (none is configured), and the API key,
+    sent right and wrong, appears in no log of the session (Serve's access and replica logs)."""
+    import os
+    from pathlib import Path
+
+    origin = {"Origin": "https://evil.example"}
+    r = http.post("/v1/completions", json={"model": server.model, "prompt": PROMPT, "max_tokens": 2},
+                  headers=origin)  # fmt: skip
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    pre = http.options("/v1/completions", headers=origin | {"Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in pre.headers
+    wrong = "sk-WRONG-" + "x" * 20
+    bad = httpx2.post(f"{server.base_url}/v1/models", headers={"Authorization": f"Bearer {wrong}"})
+    assert bad.status_code == 401 and wrong not in bad.text
+    time.sleep(1)  # log lines are flushed by the replicas and the proxy
+    logs = Path(os.environ["RAY_TMPDIR"]) / "session_latest" / "logs"
+    files = [f for f in logs.rglob("*") if f.is_file()]
+    assert any("serve" in str(f) for f in files), "no Serve log found to check"
+    logged_requests = 0
+    for f in files:
+        text = f.read_bytes()
+        assert server.api_key.encode() not in text and wrong.encode() not in text, f"a key is in {f}"
+        logged_requests += text.count(b"/v1/models")
+    assert logged_requests > 0, "the requests must be in the access logs, else this proves nothing"
+
+
 def test_api_key_is_required(server: Server) -> None:
     body = {"model": server.model, "prompt": PROMPT, "max_tokens": 1}
     with httpx2.Client(base_url=server.base_url, timeout=60) as anonymous:
