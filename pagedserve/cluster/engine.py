@@ -488,6 +488,7 @@ class AsyncEngine:
         self._stopped = False
         self._stats = self.engine.stats()
         self._kv_events: list[tuple[str, list[int]]] = []
+        self._snapshot_wanted = False
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
         self._thread.start()
@@ -541,6 +542,12 @@ class AsyncEngine:
         with self._lock:
             events, self._kv_events = self._kv_events, []
         return events
+
+    def request_kv_snapshot(self) -> None:
+        """Have the next KV events start with every block hash the prefix cache holds (one
+        "stored" event) instead of what was pending: for a state log that lost everything."""
+        self._snapshot_wanted = True
+        self._wake.set()
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -633,6 +640,10 @@ class AsyncEngine:
     def _publish(self) -> None:
         self._stats = self.engine.stats()
         events = self.engine.take_kv_events()
+        if self._snapshot_wanted:  # read on the loop thread: the block manager is ours here
+            self._snapshot_wanted = False
+            with self._lock:
+                self._kv_events = [("stored", list(self.engine.block_manager.cached))]
         if events:
             with self._lock:
                 self._kv_events.extend(events)

@@ -95,6 +95,7 @@ class EngineDeployment:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._inflight = 0
         self._unpublished: list = []
+        self._state_epoch: str | None = None  # of the cluster state log we publish to
         self._publisher = asyncio.get_running_loop().create_task(self._publish_forever())
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -179,9 +180,15 @@ class EngineDeployment:
             if len(self._unpublished) > COMPACT_EVENTS_AT:
                 self._unpublished = compact_kv_events(self._unpublished)
             try:
-                await publish_replica_state(self.replica_id, self._unpublished, self._stats_dict())
+                epoch = await publish_replica_state(self.replica_id, self._unpublished, self._stats_dict())
                 self._unpublished = []
                 failures = 0
+                if epoch != self._state_epoch:
+                    if self._state_epoch is not None:
+                        # the state actor was lost and made afresh: it knows none of our blocks
+                        logger.warning("cluster state actor restarted; resending this replica's cache")
+                        self.engine.request_kv_snapshot()
+                    self._state_epoch = epoch
             except Exception:
                 failures += 1
                 if failures == 1 or failures % 100 == 0:

@@ -71,8 +71,12 @@ class ReplicaStateLog:
         self._blocks[replica_id] = set()
         self._append(replica_id, "reset", [])
 
-    def publish(self, replica_id: str, token: str, events: Sequence, stats: dict | None) -> None:
-        """Apply one replica's KV events (in its order) and keep its stats as its latest."""
+    def publish(self, replica_id: str, token: str, events: Sequence, stats: dict | None) -> str:
+        """Apply one replica's KV events (in its order) and keep its stats as its latest.
+
+        Returns this log's epoch: a replica that sees a new one (the actor was lost and made
+        afresh) sends everything its cache holds again (``AsyncEngine.request_kv_snapshot``).
+        """
         if self._tokens.get(replica_id) != token:
             if replica_id in self._tokens:
                 self._reset(replica_id)
@@ -89,6 +93,7 @@ class ReplicaStateLog:
             self._append(replica_id, kind, hashes)
         if stats is not None:
             self._stats[replica_id] = (dict(stats), self._clock())
+        return self.epoch
 
     def drop(self, replica_id: str) -> None:
         """Forget a replica that is gone: readers drop it and its blocks, stats no longer list it."""
@@ -176,8 +181,9 @@ async def _call(method: str, *args: Any) -> Any:
     raise AssertionError("unreachable")
 
 
-async def publish_replica_state(replica_id: str, events: list, stats: dict) -> None:
-    """Send one replica's KV events since its last call (in order) and its current stats.
+async def publish_replica_state(replica_id: str, events: list, stats: dict) -> str:
+    """Send one replica's KV events since its last call (in order) and its current stats; returns
+    the state log's epoch (a new one means the log was lost: resend the whole cache).
 
     ``events`` is ``BlockManager.take_events()`` / ``AsyncEngine.take_kv_events()``:
     [("stored" | "removed", [block hashes]), ...]; ``stats`` a plain dict with at least
@@ -185,7 +191,7 @@ async def publish_replica_state(replica_id: str, events: list, stats: dict) -> N
     ``serve.get_replica_context().replica_id.unique_id`` as ``replica_id``.
     """
     plain = [[kind, [int(h) for h in hashes]] for kind, hashes in events]
-    await _call("publish", replica_id, _PROCESS_TOKEN, plain, stats)
+    return await _call("publish", replica_id, _PROCESS_TOKEN, plain, stats)
 
 
 async def cluster_stats() -> dict[str, dict]:

@@ -533,6 +533,48 @@ def test_cors_is_off_and_the_api_key_is_never_logged(server: Server, http: httpx
     assert logged_requests > 0, "the requests must be in the access logs, else this proves nothing"
 
 
+def test_a_lost_state_actor_is_rebuilt_with_every_replicas_cache(server: Server, http: httpx2.Client) -> None:
+    """Kill the named state actor: requests keep succeeding (routing never waits on it), the
+    replicas make it afresh, notice its new epoch and resend their whole prefix cache, so the new
+    log again knows which replica holds a prompt cached before the loss."""
+    import ray
+
+    from pagedserve.cluster.hashing import hash_blocks
+    from pagedserve.router.state import NAMESPACE, STATE_ACTOR_NAME
+
+    prompt = "The history of paged memory in operating systems begins with " * 6
+    body = {"model": server.model, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    assert http.post("/v1/completions", json=body).status_code == 200
+    tokens = http.post("/tokenize", json={"model": server.model, "prompt": prompt}).json()["tokens"]
+    hashes = set(hash_blocks(tokens, 16)[: len(tokens) // 16])
+    assert hashes
+
+    def holders() -> list[str]:
+        actor = ray.get_actor(STATE_ACTOR_NAME, namespace=NAMESPACE)
+        snapshot = ray.get(actor.poll.remote(0, None))["snapshot"]
+        return [rid for rid, held in snapshot.items() if hashes <= set(held)]
+
+    deadline = time.monotonic() + 10
+    while not holders():
+        assert time.monotonic() < deadline, "the state log never learned the cached prompt"
+        time.sleep(0.2)
+    ray.kill(ray.get_actor(STATE_ACTOR_NAME, namespace=NAMESPACE), no_restart=True)
+    for i in range(4):  # served meanwhile
+        r = http.post("/v1/completions", json=body | {"prompt": f"Another request {i}"})
+        assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            if holders():
+                break
+        except (ValueError, ray.exceptions.RayActorError):  # not made afresh yet
+            pass
+        assert time.monotonic() < deadline, "the rebuilt state log does not know the cached prompt"
+        time.sleep(0.3)
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
 def test_api_key_is_required(server: Server) -> None:
     body = {"model": server.model, "prompt": PROMPT, "max_tokens": 1}
     with httpx2.Client(base_url=server.base_url, timeout=60) as anonymous:
