@@ -275,16 +275,11 @@ class RMSNorm(nn.Module):
         return self._norm(x), x
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: scales by (1 + weight), multiplied in fp32 before the cast back (Llama's
-    casts first, then multiplies)."""
+    casts first, then multiplies). No fused residual: Gemma normalizes after each block too."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = _parameter(hidden_size)
-
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).to(x.dtype)
