@@ -477,12 +477,12 @@ class BlockManager:
             return None
         to_device = {host_id: self._take_free_block() for host_id in unique}
         filled: set[int] = set()
+        bs = self.block_size
         for req_id in req_ids:
             seq = self.seqs[req_id]
             host_table = seq.host_table
             assert host_table is not None
             seq.table = [to_device[h].block_id for h in host_table]
-            bs = self.block_size
             for i, host_id in enumerate(host_table):
                 block = to_device[host_id]
                 if host_id in filled:

@@ -63,7 +63,7 @@ class EngineStats:
     num_steps: int
     num_group_restarts: int = 0  # tensor-parallel groups rebuilt after a rank failed
     # Beam search: blocks the live beams' tables name, and the distinct blocks they hold (sharing
-    # makes the second smaller); now, and summed over every step since the start.
+    # makes the second smaller); as of the last step, and summed over every step since the start.
     beam_blocks_logical: int = 0
     beam_blocks_physical: int = 0
     beam_block_steps_logical: int = 0
@@ -117,6 +117,7 @@ class Engine:
         self._groups: dict[str, Request] = {}  # request id -> its first sample (holds the others)
         self._beam_groups: dict[str, BeamGroup] = {}  # beam searches whose beams are reporting
         self._beam_block_steps = [0, 0]  # logical, physical
+        self._beam_blocks_now = (0, 0)  # as of the last step (stats() is read every step)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
         self.prompt_tokens = 0
@@ -244,10 +245,9 @@ class Engine:
         outputs = self._update(plan, result)
         t3 = time.perf_counter()
         self.num_steps += 1
-        if self._beam_groups:
-            logical, physical = self._beam_blocks()
-            self._beam_block_steps[0] += logical
-            self._beam_block_steps[1] += physical
+        self._beam_blocks_now = self._beam_blocks() if self._beam_groups else (0, 0)
+        self._beam_block_steps[0] += self._beam_blocks_now[0]
+        self._beam_block_steps[1] += self._beam_blocks_now[1]
         _, model, sample = result.timings or (0.0, 0.0, 0.0)  # input preparation lands in other
         self._time["schedule"] += (t1 - t0) + (t3 - t2)
         self._time["model"] += model
@@ -448,7 +448,7 @@ class Engine:
     def stats(self) -> EngineStats:
         kv = self.block_manager.stats()
         sched = self.scheduler
-        logical, physical = self._beam_blocks() if self._beam_groups else (0, 0)
+        logical, physical = self._beam_blocks_now
         return EngineStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting), num_swapped=len(sched.swapped),
             num_blocks=kv.num_blocks, block_size=kv.block_size, free_blocks=kv.free_blocks,

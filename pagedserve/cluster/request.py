@@ -101,43 +101,33 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
-    def fork(self, child_id: str, sample_index: int) -> Request:
-        """A parallel sample that shares everything computed so far (its blocks are forked too)."""
-        params = self.params.for_sample(sample_index)
+    def _child(self, child_id: str, params: SamplingParams, parent: Request,
+               sample_index: int = 0) -> Request:  # fmt: skip
+        """A request continuing this one's progress (status, computed and cached tokens); the
+        caller forks its blocks in the block manager."""
         child = Request(
-            child_id,
-            self.prompt_token_ids,
-            params,
-            max_tokens=self.max_tokens,
-            eos_token_ids=self.eos_token_ids,
-            priority=self.priority,
-            arrival_time=self.arrival_time,
-            extra_keys=self.extra_keys,
-            parent=self,
-            sample_index=sample_index,
-        )
+            child_id, self.prompt_token_ids, params, max_tokens=self.max_tokens,
+            eos_token_ids=self.eos_token_ids, priority=self.priority, arrival_time=self.arrival_time,
+            extra_keys=self.extra_keys, parent=parent, sample_index=sample_index,
+        )  # fmt: skip
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.status = self.status
-        child.sent_to_worker = True  # the worker creates its state when it samples the fork
         child.scheduled_time = self.scheduled_time
+        return child
+
+    def fork(self, child_id: str, sample_index: int) -> Request:
+        """A parallel sample that shares everything computed so far (its blocks are forked too)."""
+        child = self._child(child_id, self.params.for_sample(sample_index), self, sample_index)
+        child.sent_to_worker = True  # the worker creates its state when it samples the fork
         child.prompt_logprobs = self.prompt_logprobs
         return child
 
     def fork_beam(self, child_id: str) -> Request:
         """A beam continuing this one: same tokens so far (its blocks are forked by the caller)."""
-        root = self.parent or self
-        child = Request(
-            child_id, self.prompt_token_ids, self.params, max_tokens=self.max_tokens,
-            eos_token_ids=self.eos_token_ids, priority=self.priority, arrival_time=self.arrival_time,
-            extra_keys=self.extra_keys, parent=root,
-        )  # fmt: skip
+        child = self._child(child_id, self.params, self.parent or self)
         child.output_token_ids = list(self.output_token_ids)
         child.all_token_ids = list(self.all_token_ids)
-        child.num_computed_tokens = self.num_computed_tokens
-        child.num_cached_tokens = self.num_cached_tokens
-        child.status = self.status
-        child.scheduled_time = self.scheduled_time
         child.beam_group = self.beam_group
         child.fork_of = self.request_id
         child.table_stale = True

@@ -119,13 +119,10 @@ class _GenerationRequest(BaseModel):
         temperature = self.temperature
         if temperature is None:
             temperature = 0.0 if self.use_beam_search else 1.0
-        beam = {}
+        # SamplingParams refuses length_penalty and early_stopping without beam search
+        beam = {"length_penalty": self.length_penalty, "early_stopping": self.early_stopping}
         if self.use_beam_search:
-            beam = {"use_beam_search": True, "best_of": best_of, "length_penalty": self.length_penalty,
-                    "early_stopping": self.early_stopping}  # fmt: skip
-        elif self.length_penalty != 1.0 or self.early_stopping is not False:
-            param = "length_penalty" if self.length_penalty != 1.0 else "early_stopping"
-            raise OpenAIError(400, f"{param} needs use_beam_search=true", param=param)
+            beam |= {"use_beam_search": True, "best_of": best_of}
         return SamplingParams(
             n=self.n, temperature=temperature,
             top_p=1.0 if self.top_p is None else self.top_p, seed=self.seed,
