@@ -64,6 +64,10 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         "--swap-space", type=float, default=None, help="GiB of host memory for swapped blocks"
     )
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument(
+        "--disable-hybrid-kv-cache-manager", action="store_true", default=None,
+        help="sliding-window layers keep every block too (one block table for all layers)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=None)

@@ -45,6 +45,8 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     swap_space: float = 1.0  # GiB of host memory per worker for swapped-out blocks
     enable_prefix_caching: bool = True
+    # keep every layer's blocks for sliding-window layers too (one block table per request)
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "--block-size must be a power of 2 <= 128")

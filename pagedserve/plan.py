@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# A block-table entry that names no block: a sliding-window KV group's block wholly out of its
+# window (hybrid KV). Block 0 is then reserved (zeros, never written) and nothing reads it.
+NULL_BLOCK = 0
+
 
 @dataclass(slots=True)
 class ScheduledSeq:
@@ -18,8 +22,8 @@ class ScheduledSeq:
     req_id: str
     token_ids: list[int]  # the tokens whose KV this step computes
     start_pos: int  # position of token_ids[0] (tokens already in the KV cache)
-    table_start: int  # the worker's block table becomes table[:table_start] + new_blocks
-    new_blocks: list[int]
+    table_start: int  # each of the worker's block tables becomes table[:table_start] + new_blocks[g]
+    new_blocks: list[list[int]]  # per KV group (one list for models without sliding windows)
     sample: bool  # this step reaches the end of the known tokens: sample the next one
     fork_ids: list[str] = field(default_factory=list)  # parallel samples drawn from this row too
     # first sight for the workers: {"prompt_token_ids", "params"}, or {"fork_of": beam id} for a

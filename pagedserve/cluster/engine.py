@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.cluster.beam import BeamGroup, BeamSearch
-from pagedserve.cluster.block_manager import BlockManager
+from pagedserve.cluster.block_manager import BlockManager, RequestTooLong
 from pagedserve.cluster.executor import Executor, RankFailure, make_executor
 from pagedserve.cluster.outputs import (
     CompletionOutput,
@@ -30,8 +30,9 @@ from pagedserve.cluster.outputs import (
 from pagedserve.cluster.request import Request, RequestStatus
 from pagedserve.cluster.scheduler import Scheduler
 from pagedserve.config import ConfigError, EngineConfig
-from pagedserve.plan import StepOutput, StepPlan
+from pagedserve.plan import NULL_BLOCK, StepOutput, StepPlan
 from pagedserve.sampling import SamplingParams, SamplingParamsError
+from pagedserve.worker.kv_groups import kv_cache_groups
 from pagedserve.worker.loader import check_tensor_parallel, load_config, load_tokenizer, resolve_model
 from pagedserve.worker.models import get_model_class
 
@@ -102,17 +103,23 @@ class Engine:
         check_tensor_parallel(hf_config, config.parallel.tensor_parallel_size)
         worker_kwargs = {"dtype": mc.dtype, "seed": mc.seed, "eos_token_ids": self.eos_token_ids}
         self.executor = executor or make_executor(config.parallel, self.model_path, worker_kwargs)
+        # KV groups: one of every layer, or (hybrid KV) full-attention and sliding-window groups
+        self.kv_groups = kv_cache_groups(hf_config, hybrid=not cc.disable_hybrid_kv_cache_manager)
         num_blocks, num_host = self.executor.determine_num_blocks(cc, sc.max_num_batched_tokens)
         if sc.preemption_mode != "swap":
             num_host = 0  # the host pool only serves swapping
-        if num_blocks * cc.block_size < self.max_model_len:
-            raise ConfigError(
-                f"the KV pool holds {num_blocks * cc.block_size} tokens, fewer than --max-model-len "
-                f"{self.max_model_len}: lower --max-model-len or give the cache more memory"
-            )
-        self.executor.init_kv_pool(num_blocks, cc.block_size, num_host)
         self._pool_shape = (num_blocks, num_host)
         self._new_scheduler()
+        try:
+            self.block_manager.check_fits(self.max_model_len)
+        except (RequestTooLong, ValueError) as e:
+            raise ConfigError(
+                f"the KV pool of {num_blocks} blocks of {cc.block_size} tokens cannot hold one request of "
+                f"--max-model-len {self.max_model_len} tokens: lower --max-model-len or give the cache "
+                f"more memory"
+            ) from e
+        hybrid = not cc.disable_hybrid_kv_cache_manager
+        self.executor.init_kv_pool(num_blocks, cc.block_size, num_host, hybrid)
         self._lost_events: list[tuple[str, list[int]]] = []  # of a block manager dropped by recover()
         self._groups: dict[str, Request] = {}  # request id -> its first sample (holds the others)
         self._beam_groups: dict[str, BeamGroup] = {}  # beam searches whose beams are reporting
@@ -134,8 +141,12 @@ class Engine:
     def _new_scheduler(self) -> None:
         num_blocks, num_host = self._pool_shape
         cc = self.config.cache
-        self.block_manager = BlockManager(num_blocks, cc.block_size, num_host_blocks=num_host,
-                                          enable_prefix_caching=cc.enable_prefix_caching)  # fmt: skip
+        self.block_manager = BlockManager(
+            num_blocks, cc.block_size, num_host_blocks=num_host,
+            enable_prefix_caching=cc.enable_prefix_caching,
+            group_windows=[g.window for g in self.kv_groups],
+            max_chunk_tokens=self.config.scheduler.max_num_batched_tokens,
+        )  # fmt: skip
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager, self.max_model_len)
 
     def fail_all(self, message: str) -> list[RequestOutput]:
@@ -352,9 +363,10 @@ class Engine:
         for group in self._beam_groups.values():
             for b in group.beams:
                 if b.request_id in bm and not bm.is_swapped(b.request_id):
-                    table = bm.block_table(b.request_id)
-                    logical += len(table)
-                    physical.update(table)
+                    for table in bm.block_tables(b.request_id):
+                        held = [x for x in table if x != NULL_BLOCK] if bm.num_reserved else table
+                        logical += len(held)
+                        physical.update(held)
         return logical, len(physical)
 
     def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:

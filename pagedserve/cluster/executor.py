@@ -25,7 +25,8 @@ class RankFailure(RuntimeError):
 
 class Executor(Protocol):
     def determine_num_blocks(self, cache: CacheConfig, max_num_batched_tokens: int) -> tuple[int, int]: ...
-    def init_kv_pool(self, num_blocks: int, block_size: int, num_host_blocks: int) -> None: ...
+    def init_kv_pool(self, num_blocks: int, block_size: int, num_host_blocks: int,
+                     hybrid: bool = True) -> None: ...
     def execute(self, plan: StepPlan) -> StepOutput: ...
     def restart(self) -> None: ...
     def shutdown(self) -> None: ...
@@ -43,8 +44,9 @@ class InProcessExecutor:
     def determine_num_blocks(self, cache: CacheConfig, max_num_batched_tokens: int) -> tuple[int, int]:
         return self.worker.determine_num_blocks(cache, max_num_batched_tokens)
 
-    def init_kv_pool(self, num_blocks: int, block_size: int, num_host_blocks: int) -> None:
-        self.worker.init_kv_pool(num_blocks, block_size, num_host_blocks)
+    def init_kv_pool(self, num_blocks: int, block_size: int, num_host_blocks: int,
+                     hybrid: bool = True) -> None:
+        self.worker.init_kv_pool(num_blocks, block_size, num_host_blocks, hybrid)
 
     def execute(self, plan: StepPlan) -> StepOutput:
         wire = self.worker.execute_wire(msgpack.packb(plan.to_wire()))

@@ -68,7 +68,7 @@ class RayExecutor:
         self.pids: list[int] = []  # of the rank processes (all on this machine in tests)
         self._transport = None
         self._local = True  # every rank on this process's node
-        self._pool_args: tuple[int, int, int] | None = None
+        self._pool_args: tuple[int, int, int, bool] | None = None
         self.last_step_s = self.last_rank_s = 0.0
         self._start()
 
@@ -129,9 +129,10 @@ class RayExecutor:
                          for r in self.ranks], timeout=START_TIMEOUT_S)  # fmt: skip
         return min(s[0] for s in sizes), min(s[1] for s in sizes)
 
-    def init_kv_pool(self, num_blocks: int, block_size: int, num_host_blocks: int) -> None:
-        self._pool_args = (num_blocks, block_size, num_host_blocks)
-        ray.get([r.init_kv_pool.remote(num_blocks, block_size, num_host_blocks) for r in self.ranks],
+    def init_kv_pool(self, num_blocks: int, block_size: int, num_host_blocks: int,
+                     hybrid: bool = True) -> None:
+        self._pool_args = (num_blocks, block_size, num_host_blocks, hybrid)
+        ray.get([r.init_kv_pool.remote(num_blocks, block_size, num_host_blocks, hybrid) for r in self.ranks],
                 timeout=START_TIMEOUT_S)  # fmt: skip
         self._transport = make_transport(self.transport_kind, self.ranks, self.timeout_s, self._local)
 

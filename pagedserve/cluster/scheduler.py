@@ -52,10 +52,10 @@ class Scheduler:
             need = self.bm.blocks_needed(req.num_prompt_tokens) + width * (
                 self.bm.blocks_needed(total - req.num_prompt_tokens) + 1
             )
-            if need > self.bm.num_blocks:
+            if need > self.bm.num_usable_blocks:
                 raise RequestTooLong(
                     f"a beam search of width {width} needs up to {need} KV blocks for this request, "
-                    f"but the whole pool holds {self.bm.num_blocks}"
+                    f"but the whole pool holds {self.bm.num_usable_blocks}"
                 )
         self.requests[req.request_id] = req
         if self.config.scheduling_policy == "priority":
@@ -199,7 +199,7 @@ class Scheduler:
             plan.seqs.append(
                 ScheduledSeq(
                     req.request_id, req.all_token_ids[pos : pos + n], pos, start,
-                    self.bm.block_table(req.request_id)[start:], sample, forks, new,
+                    [table[start:] for table in self.bm.block_tables(req.request_id)], sample, forks, new,
                 )
             )  # fmt: skip
         plan.copies = self.bm.take_copies()
@@ -218,10 +218,10 @@ class Scheduler:
             steps, headroom, left = [], 0, budget
             for m in members:
                 n = min(m.num_tokens - m.num_computed_tokens, left)
-                # slots it holds already: a beam preempted after this step's allocation keeps them
-                held = self.bm.num_tokens(m.request_id)
-                growth = self.bm.blocks_needed(m.num_computed_tokens + n) - self.bm.blocks_needed(held)
-                headroom += max(growth, 0) + (len(members) > 1)
+                # beyond the slots it holds already (a beam preempted after this step's allocation
+                # keeps them), in every KV group
+                growth = self.bm.growth_blocks(m.request_id, m.num_computed_tokens + n)
+                headroom += growth + (len(members) > 1)
                 steps.append(n)
                 left -= n
             headroom += self._watermark_blocks if self.running else 0
@@ -302,8 +302,8 @@ class Scheduler:
                 best = (common, sibling)
         if best is None or best[0] // bm.block_size <= len(hit.blocks):
             return hit
-        shared = bm.block_table(best[1].request_id)[: best[0] // bm.block_size]
-        return PrefixHit([bm.blocks[b] for b in shared], hit.hashes, bm.block_size)
+        # None: a sliding-window group of the sibling gave back blocks this beam's window needs
+        return bm.shared_prefix(best[1].request_id, best[0] // bm.block_size, hit.hashes) or hit
 
     def _group_fits(self, req: Request, hit: PrefixHit) -> bool:
         """Whether a beam group coming back (``req`` first, no beam of it running) has free blocks
@@ -313,11 +313,11 @@ class Scheduler:
         if len(group.beams) == 1 or any(b.status is RequestStatus.RUNNING for b in group.beams):
             return True  # a root not yet expanded, or a sibling is back (its blocks were counted)
         bm, bs = self.bm, self.bm.block_size
-        need = bm.blocks_needed(req.num_tokens) - len(hit.blocks)
+        need = bm.blocks_needed(req.num_tokens) - hit.num_held
         for b in group.beams:
             if b is not req and b.status is RequestStatus.WAITING:
                 common = _common_prefix(b.all_token_ids, req.all_token_ids, b.num_tokens - 1)
-                need += bm.blocks_needed(b.num_tokens) - common // bs
+                need += bm.blocks_needed(b.num_tokens) - bm.blocks_needed(common // bs * bs)
         headroom = self._watermark_blocks if self.running else 0
         return bm.num_free_blocks - need >= headroom
 

@@ -37,18 +37,22 @@ def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
 # cache entry holds the tensors themselves and their version counters, so a new step (new
 # tensors) or an in-place change (a new version) is never served a stale entry. Tensors made
 # under inference_mode (the engine's) have no version counter: those must not change in place
-# while a step uses them (the worker builds fresh ones each step).
-_memo: dict[str, tuple[tuple, object, tuple[Tensor, ...]]] = {}
+# while a step uses them (the worker builds fresh ones each step). With hybrid KV the layers of
+# one step read a few KV groups' tables in turn: each name keeps the last MEMO_ENTRIES entries.
+MEMO_ENTRIES = 8
+_memo: dict[str, list[tuple[tuple, object, tuple[Tensor, ...]]]] = {}
 
 
 def _memoized(name: str, tensors: tuple[Tensor, ...], extra: tuple, build):
     key = (*(id(t) for t in tensors), *(0 if t.is_inference() else t._version for t in tensors), *extra)
-    hit = _memo.get(name)
-    if hit is not None and hit[0] == key:
-        return hit[1]
+    entries = _memo.setdefault(name, [])
+    for entry in entries:
+        if entry[0] == key:
+            return entry[1]
     value = build()
     # the tensors ride along so that their ids cannot be reused while the entry lives
-    _memo[name] = (key, value, tensors)
+    entries.insert(0, (key, value, tensors))
+    del entries[MEMO_ENTRIES:]
     return value
 
 

@@ -5,6 +5,10 @@ stores only the KV heads its attention layers own. Per layer there is one K and 
 [num_blocks, block_size, num_kv_heads_local, head_dim], preallocated once (fresh memory is slow,
 and a stable address is what the kernels index). A host pool of the same block shape (pinned on
 CUDA, for asynchronous DMA) receives swapped-out blocks.
+
+With hybrid KV (kv_groups.py) a block holds the KV of one group's layers, not of every layer: the
+pool has one K and one V tensor per layer slot of a group, and layer i uses slot
+``layer_slots[i]`` at the block ids of its own group's table.
 """
 
 from __future__ import annotations
@@ -81,44 +85,52 @@ def host_memory() -> tuple[int, int]:
 
 
 class KVPool:
-    """This rank's K/V pools for every layer, plus a host pool for swapped-out blocks.
+    """This rank's K/V pools for every layer (slot), plus a host pool for swapped-out blocks.
 
     kv_caches[i] is layer i's (K, V) pair, the shape the model's forward takes. Block mappings are
-    int64 [N, 2] tensors (or lists of pairs) of (source block, destination block).
+    int64 [N, 2] tensors (or lists of pairs) of (source block, destination block). Without
+    ``layer_slots`` each layer has its own slot; with them (hybrid KV) layer i stores into slot
+    ``layer_slots[i]``, and a block holds the slots' KV (one KV group's layers).
     """
 
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, layer_slots: Sequence[int] | None = None) -> None:
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         self.device = torch.device(device)
         self.num_host_blocks = num_host_blocks
+        self.layer_slots = list(layer_slots) if layer_slots is not None else list(range(num_layers))
+        assert len(self.layer_slots) == num_layers, "one slot per layer"
+        num_slots = max(self.layer_slots) + 1
+        self.num_slots = num_slots
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_slots)]
+        self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_slots)]
         host_shape = (num_host_blocks, block_size, num_kv_heads, head_dim)
         # pinned host memory lets device<->host copies run as DMA; there is nothing to pin for on CPU
         pin = self.device.type == "cuda"
-        self.host_k_caches = [torch.zeros(host_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
-        self.host_v_caches = [torch.zeros(host_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
+        self.host_k_caches = [torch.zeros(host_shape, dtype=dtype, pin_memory=pin) for _ in range(num_slots)]
+        self.host_v_caches = [torch.zeros(host_shape, dtype=dtype, pin_memory=pin) for _ in range(num_slots)]
 
     @classmethod
     def for_model(cls, config: PretrainedConfig, *, num_blocks: int, block_size: int, dtype: torch.dtype,
-                  device: torch.device | str = "cpu", tp_size: int = 1, num_host_blocks: int = 0) -> KVPool:
-        """A pool shaped for one rank of a Llama-family model described by a Hugging Face config."""
+                  device: torch.device | str = "cpu", tp_size: int = 1, num_host_blocks: int = 0,
+                  layer_slots: Sequence[int] | None = None) -> KVPool:  # fmt: skip
+        """A pool shaped for one rank of a model described by a Hugging Face config."""
         return cls(num_layers=config.num_hidden_layers, num_blocks=num_blocks, block_size=block_size,
                    num_kv_heads=num_kv_heads_per_rank(config.num_key_value_heads, tp_size),
-                   head_dim=head_dim_of(config), dtype=dtype, device=device, num_host_blocks=num_host_blocks)
+                   head_dim=head_dim_of(config), dtype=dtype, device=device, num_host_blocks=num_host_blocks,
+                   layer_slots=layer_slots)  # fmt: skip
 
     @property
     def kv_caches(self) -> list[tuple[Tensor, Tensor]]:
         """Per layer (K pool, V pool), each [num_blocks, block_size, num_kv_heads, head_dim]."""
-        return list(zip(self.k_caches, self.v_caches, strict=True))
+        return [(self.k_caches[s], self.v_caches[s]) for s in self.layer_slots]
 
     def bytes_per_block(self) -> int:
-        """Device bytes one block takes on this rank (all layers, K and V)."""
-        return bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+        """Device bytes one block takes on this rank (all slots, K and V)."""
+        return bytes_per_block(self.num_slots, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
 
     def copy_blocks(self, mapping: BlockMapping) -> None:
         """Copy-on-write: device block src -> device block dst in every layer, for each row."""

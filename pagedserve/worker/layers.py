@@ -361,6 +361,8 @@ class AttentionMetadata:
     seq_lens: int32 [B], KV length of each sequence including this step's tokens.
     query_start_loc: int32 [B + 1], sequence b's tokens are rows query_start_loc[b]:[b + 1].
     max_query_len, max_seq_len: host-side maxima of the query and KV lengths.
+    groups: with hybrid KV (several KV groups), each group's (slot_mapping, block_tables); the
+    fields above are then group 0's. A layer reads its group's (``Attention.kv_group``).
     """
 
     slot_mapping: Tensor
@@ -369,6 +371,7 @@ class AttentionMetadata:
     query_start_loc: Tensor
     max_query_len: int
     max_seq_len: int
+    groups: tuple[tuple[Tensor, Tensor], ...] = ()
 
 
 class Attention(nn.Module):
@@ -379,17 +382,20 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.sliding_window = scale, sliding_window
+        self.kv_group = 0  # which KV group's block tables this layer reads (set with the pool)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, Tensor],
                 meta: AttentionMetadata) -> Tensor:
         """q [T, Hq * D], k and v [T, Hkv * D] -> attention output [T, Hq * D]."""
         num_tokens = q.shape[0]
         k_cache, v_cache = kv_cache
+        slot_mapping, block_tables = meta.groups[self.kv_group] if meta.groups else (
+            meta.slot_mapping, meta.block_tables)
         kernels.write_kv(k.view(num_tokens, self.num_kv_heads, self.head_dim),
                          v.view(num_tokens, self.num_kv_heads, self.head_dim),
-                         k_cache, v_cache, meta.slot_mapping)
+                         k_cache, v_cache, slot_mapping)
         out = kernels.paged_attention(
-            q.view(num_tokens, self.num_heads, self.head_dim), k_cache, v_cache, meta.block_tables,
+            q.view(num_tokens, self.num_heads, self.head_dim), k_cache, v_cache, block_tables,
             meta.seq_lens, meta.query_start_loc, scale=self.scale, sliding_window=self.sliding_window,
             max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
         )

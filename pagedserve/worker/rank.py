@@ -62,8 +62,9 @@ class RankActor:
     def determine_num_blocks(self, cache: dict[str, Any], max_num_batched_tokens: int) -> tuple[int, int]:
         return self.worker.determine_num_blocks(CacheConfig(**cache), max_num_batched_tokens)
 
-    def init_kv_pool(self, num_blocks: int, block_size: int, num_host_blocks: int) -> None:
-        self.worker.init_kv_pool(num_blocks, block_size, num_host_blocks)
+    def init_kv_pool(self, num_blocks: int, block_size: int, num_host_blocks: int,
+                     hybrid: bool = True) -> None:
+        self.worker.init_kv_pool(num_blocks, block_size, num_host_blocks, hybrid)
 
     def execute_wire(self, plan: bytes) -> bytes:
         """One step on this rank's shard. Rank 0 returns the step's output; the others an output

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from pagedserve.config import CacheConfig
-from pagedserve.plan import SampledToken, ScheduledSeq, StepOutput, StepPlan
+from pagedserve.plan import NULL_BLOCK, SampledToken, ScheduledSeq, StepOutput, StepPlan
 from pagedserve.sampling import (
     Sampler,
     SamplingBatch,
@@ -27,8 +27,9 @@ from pagedserve.sampling import (
     make_generator,
     num_beam_candidates,
 )
+from pagedserve.worker.kv_groups import KVGroup, kv_cache_groups, layer_slots
 from pagedserve.worker.kv_pool import KVPool, bytes_per_block, host_memory, num_kv_heads_per_rank
-from pagedserve.worker.layers import AttentionMetadata, prepack_linear_weights
+from pagedserve.worker.layers import Attention, AttentionMetadata, prepack_linear_weights
 from pagedserve.worker.loader import load_model
 from pagedserve.worker.models.llama import head_dim_of
 
@@ -40,10 +41,11 @@ CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB: ~1,450 blocks of 16 tokens for SmolLM2-
 
 @dataclass(slots=True)
 class _SeqState:
-    table: list[int]
+    tables: list[list[int]]  # per KV group
     row: SamplingRow
     prompt_scored: int = 0  # prompt positions whose next-token logprob was already returned
     outputs: list[int] = field(default_factory=list)
+    slid: list[int] = field(default_factory=list)  # per group, leading entries already null
 
 
 class Worker:
@@ -75,13 +77,17 @@ class Worker:
         self.states: dict[str, _SeqState] = {}
         self.pool: KVPool | None = None
         self.block_size = 0
+        self.kv_groups: list[KVGroup] = kv_cache_groups(self.hf_config)
 
     # ---- the KV pool ---------------------------------------------------------------------
 
-    def bytes_per_block(self, block_size: int) -> int:
+    def bytes_per_block(self, block_size: int, hybrid: bool = True) -> int:
+        """Bytes of one pool block on this rank: K and V of one KV group's layers (all layers
+        without hybrid KV or sliding windows)."""
         cfg = self.hf_config
         heads = num_kv_heads_per_rank(cfg.num_key_value_heads, self.tp_size)
-        return bytes_per_block(cfg.num_hidden_layers, block_size, heads, head_dim_of(cfg), self.dtype)
+        layers = len(kv_cache_groups(cfg, hybrid)[0].layers)
+        return bytes_per_block(layers, block_size, heads, head_dim_of(cfg), self.dtype)
 
     def determine_num_blocks(self, cache: CacheConfig, max_num_batched_tokens: int) -> tuple[int, int]:
         """(device blocks, host blocks) this rank can hold, sized as vLLM does.
@@ -90,7 +96,7 @@ class Worker:
         ``max_num_batched_tokens`` tokens (activations peak), unless overridden. CPU: the
         ``kv_cache_memory`` bytes (1 GiB by default).
         """
-        per_block = self.bytes_per_block(cache.block_size)
+        per_block = self.bytes_per_block(cache.block_size, not cache.disable_hybrid_kv_cache_manager)
         num_host = int(cache.swap_space * (1 << 30)) // per_block
         if cache.num_gpu_blocks_override:
             return cache.num_gpu_blocks_override, num_host
@@ -110,8 +116,8 @@ class Worker:
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         meta = _metadata(
-            [ScheduledSeq("profile", [0] * num_tokens, 0, 0, [], True)],
-            [list(range(probe.num_blocks))], bs, self.device,
+            [ScheduledSeq("profile", [0] * num_tokens, 0, 0, [[]], True)],
+            [[list(range(probe.num_blocks))]], bs, self.device,
         )  # fmt: skip
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         hidden = self.model(ids, meta.positions, meta.attn, probe.kv_caches)
@@ -129,10 +135,20 @@ class Worker:
             raise RuntimeError("no GPU memory left for the KV cache: raise --gpu-memory-utilization")
         return budget
 
-    def init_kv_pool(self, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
+    def init_kv_pool(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
+                     hybrid: bool = True) -> None:  # fmt: skip
+        """The pool of ``num_blocks`` blocks; with ``hybrid`` (and a model mixing attention
+        windows) layers form KV groups (kv_groups.py), each reading its own block tables."""
+        self.kv_groups = kv_cache_groups(self.hf_config, hybrid)
+        group_of, slot_of = layer_slots(self.kv_groups, self.hf_config.num_hidden_layers)
+        attention = [m for m in self.model.modules() if isinstance(m, Attention)]
+        assert len(attention) == len(group_of), "one Attention module per layer, in layer order"
+        for module, group in zip(attention, group_of):
+            module.kv_group = group
         self.pool = KVPool.for_model(
             self.hf_config, num_blocks=num_blocks, block_size=block_size, dtype=self.dtype,
             device=self.device, tp_size=self.tp_size, num_host_blocks=num_host_blocks,
+            layer_slots=slot_of,
         )  # fmt: skip
         self.block_size = block_size
 
@@ -195,17 +211,31 @@ class Worker:
             # a beam continuing another: same params and prompt; the plan sends its whole table
             parent = self.states[s.new["fork_of"]]
             row = SamplingRow(parent.row.params, parent.row.prompt_token_ids, [], None)
-            state = self.states[s.req_id] = _SeqState([], row, parent.prompt_scored)
+            state = self.states[s.req_id] = _SeqState(self._empty_tables(), row, parent.prompt_scored,
+                                                      slid=[0] * len(self.kv_groups))  # fmt: skip
         if state is None:
             assert s.new is not None, f"first sight of {s.req_id} without its prompt"
             params = SamplingParams.from_dict(s.new["params"])
             gen = make_generator(params.seed, self.device) if params.seed is not None else None
             outputs: list[int] = []
             row = SamplingRow(params, s.new["prompt_token_ids"], outputs, gen)
-            state = self.states[s.req_id] = _SeqState([], row, outputs=outputs)
-        del state.table[s.table_start :]
-        state.table.extend(s.new_blocks)
-        return state.table
+            state = self.states[s.req_id] = _SeqState(self._empty_tables(), row, outputs=outputs,
+                                                      slid=[0] * len(self.kv_groups))  # fmt: skip
+        for g, (table, blocks) in enumerate(zip(state.tables, s.new_blocks, strict=True)):
+            del table[s.table_start :]
+            table.extend(blocks)
+            window = self.kv_groups[g].window
+            if window is not None:
+                # entries wholly before the window of this step's first query are never read;
+                # the scheduler may already have given their blocks to other requests
+                lo = max(0, s.start_pos - window + 1) // self.block_size
+                for i in range(min(state.slid[g], s.table_start), min(lo, len(table))):
+                    table[i] = NULL_BLOCK
+                state.slid[g] = lo
+        return state.tables
+
+    def _empty_tables(self) -> list[list[int]]:
+        return [[] for _ in self.kv_groups]
 
     def _prompt_logprobs(self, seqs: list[ScheduledSeq], hidden: torch.Tensor, ends: list[int],
                          output: StepOutput) -> None:  # fmt: skip
@@ -249,7 +279,9 @@ class Worker:
                     gen = make_generator(params.seed, self.device) if params.seed is not None else None
                     outputs: list[int] = []
                     row = SamplingRow(params, state.row.prompt_token_ids, outputs, gen)
-                    self.states[fork_id] = _SeqState(list(state.table), row, state.prompt_scored, outputs)
+                    tables = [list(t) for t in state.tables]
+                    state_k = _SeqState(tables, row, state.prompt_scored, outputs, list(state.slid))
+                    self.states[fork_id] = state_k
                 rows.append(self.states[fork_id].row)
                 row_ids.append(fork_id)
                 hidden_rows.append(end - 1)
@@ -295,27 +327,34 @@ class _StepMeta:
     query_end: np.ndarray
 
 
-def _metadata(seqs: list[ScheduledSeq], tables: list[list[int]], block_size: int,
+def _metadata(seqs: list[ScheduledSeq], tables: list[list[list[int]]], block_size: int,
               device: torch.device) -> _StepMeta:  # fmt: skip
-    """Positions, slot mapping and block tables of one step, vectorized over the tokens."""
+    """Positions, slot mappings and block tables (of each KV group: ``tables[seq][group]``) of
+    one step, vectorized over the tokens."""
     num_seqs = len(seqs)
     q_lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=num_seqs)
     starts = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=num_seqs)
     qsl = np.zeros(num_seqs + 1, dtype=np.int64)
     np.cumsum(q_lens, out=qsl[1:])
-    block_tables = np.zeros((num_seqs, max(len(t) for t in tables)), dtype=np.int64)
-    for i, t in enumerate(tables):
-        block_tables[i, : len(t)] = t
     seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
     positions = np.arange(int(qsl[-1])) - qsl[:-1][seq_of_token] + starts[seq_of_token]
-    slots = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    width = max(len(t[0]) for t in tables)
+    groups = []
+    for g in range(len(tables[0])):
+        block_tables = np.zeros((num_seqs, width), dtype=np.int64)
+        for i, t in enumerate(tables):
+            block_tables[i, : len(t[g])] = t[g]
+        slots = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+        groups.append((torch.from_numpy(slots).to(device),
+                       torch.from_numpy(block_tables.astype(np.int32)).to(device)))  # fmt: skip
     seq_lens = starts + q_lens
     attn = AttentionMetadata(
-        slot_mapping=torch.from_numpy(slots).to(device),
-        block_tables=torch.from_numpy(block_tables.astype(np.int32)).to(device),
+        slot_mapping=groups[0][0],
+        block_tables=groups[0][1],
         seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
         query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(device),
         max_query_len=int(q_lens.max()),
         max_seq_len=int(seq_lens.max()),
+        groups=tuple(groups) if len(groups) > 1 else (),
     )
     return _StepMeta(torch.from_numpy(positions).to(device), attn, qsl[1:])

@@ -7,22 +7,31 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 
-from pagedserve.cluster.block_manager import BlockManager, RequestTooLong
+from pagedserve.cluster.block_manager import NULL_HOST, BlockManager, RequestTooLong
 from pagedserve.cluster.hashing import ROOT_HASH, hash_block, hash_blocks
+from pagedserve.plan import NULL_BLOCK
+
+
+def held(bm: BlockManager, table: list[int]) -> list[int]:
+    """A table's entries that name blocks (not the null block of a sliding-window group)."""
+    return [b for b in table if b != NULL_BLOCK] if bm.num_reserved else list(table)
 
 
 def check_invariants(bm: BlockManager) -> None:
     """Each block is exactly one of free / cached-free / referenced, and the counts agree."""
     holders: dict[int, int] = {}
     for seq in bm.seqs.values():
-        assert len(set(seq.table)) == len(seq.table)
-        for block_id in seq.table:
-            holders[block_id] = holders.get(block_id, 0) + 1
+        assert len({len(t) for t in seq.tables}) == 1, "every KV group's table has one length"
+        for table in seq.tables:
+            blocks = held(bm, table)
+            assert len(set(blocks)) == len(blocks)
+            for block_id in blocks:
+                holders[block_id] = holders.get(block_id, 0) + 1
     in_queue = {b.block_id for b in bm.free_queue}
     assert len(in_queue) == len(bm.free_queue)
     cached_free = 0
     live = 0
-    for block in bm.blocks:
+    for block in bm.blocks[bm.num_reserved :]:
         assert block.ref_count == holders.get(block.block_id, 0)
         assert (block.ref_count == 0) == (block.block_id in in_queue)
         if block.ref_count == 0 and block.block_hash is not None:
@@ -30,18 +39,21 @@ def check_invariants(bm: BlockManager) -> None:
         if block.ref_count > 0:
             live += block.num_tokens
         if block.block_hash is not None:
-            assert bm.cached[block.block_hash] is block
-    assert len(bm.cached) == sum(1 for b in bm.blocks if b.block_hash is not None)
+            assert bm.caches[block.group][block.block_hash] is block
+    assert NULL_BLOCK not in in_queue or not bm.num_reserved
+    assert sum(map(len, bm.caches)) == sum(1 for b in bm.blocks if b.block_hash is not None)
     stats = bm.stats()
-    assert stats.free_blocks + stats.used_blocks == bm.num_blocks
+    assert stats.free_blocks + stats.used_blocks == bm.num_usable_blocks
     assert stats.used_blocks == len(holders)
     assert stats.cached_blocks == cached_free
     assert bm._live_slots == live
     host_holders: dict[int, int] = {}
     for seq in bm.seqs.values():
-        assert seq.host_table is None or len(set(seq.host_table)) == len(seq.host_table)
-        for h in seq.host_table or ():
-            host_holders[h] = host_holders.get(h, 0) + 1
+        for host_table in seq.host_tables or ():
+            blocks = [h for h in host_table if h != NULL_HOST]
+            assert len(set(blocks)) == len(blocks)
+            for h in blocks:
+                host_holders[h] = host_holders.get(h, 0) + 1
     assert len(set(bm.host_free)) == len(bm.host_free)
     assert not set(bm.host_free) & set(host_holders)
     assert len(host_holders) + len(bm.host_free) == bm.num_host_blocks
@@ -65,11 +77,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
     """Random allocate / append / fork / free / swap sequences; eviction happens under pressure."""
 
     requests = Bundle("requests")
+    WINDOWS: tuple[int | None, ...] = (None,)  # one KV group, full attention: a plain paged pool
+    NUM_BLOCKS = 24
 
     def __init__(self) -> None:
         super().__init__()
         self.bs = 4
-        self.bm = BlockManager(24, self.bs, num_host_blocks=12, enable_prefix_caching=True)
+        self.bm = BlockManager(self.NUM_BLOCKS, self.bs, num_host_blocks=2 * self.NUM_BLOCKS // 3,
+                               enable_prefix_caching=True, group_windows=self.WINDOWS)  # fmt: skip
+        self.step_start: dict[int, int] = {}  # position of each request's last step's first token
         self.tokens: dict[int, list[int]] = {}
         self.next_id = 0
         # What each physical block holds, as last written by the shadow model; and each host block.
@@ -96,11 +112,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.next_id += 1
         hit = self.bm.match_prefix(prompt)
         assert hit.num_tokens < len(prompt)
-        for i, block in enumerate(hit.blocks):
-            assert block.block_hash == hash_blocks(prompt, self.bs)[i]
+        hashes = hash_blocks(prompt, self.bs)
+        for g, blocks in enumerate(hit.per_group(self.bm.num_groups)):
+            assert len(blocks) == len(hit.blocks)
+            # a hit supplies every block the first computed token's window reads, and no other
+            lo = self.bm._window_start(self.WINDOWS[g], hit.num_tokens)
+            assert all(b is None for b in blocks[:lo])
+            for i, block in enumerate(blocks[lo:], start=lo):
+                assert block.block_hash == hashes[i] and block.group == g
         n = min(chunk, len(prompt) - hit.num_tokens)
         if self.bm.allocate(rid, prompt, n, prefix=hit) is not None:
             self.tokens[rid] = prompt
+            self.step_start[rid] = hit.num_tokens
             self._record(rid)
         return rid
 
@@ -116,12 +139,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
             n = len(new)
         else:
             n = min(pending, len(new))
-        before = list(self.bm.block_table(rid))
+        before = [list(t) for t in self.bm.block_tables(rid)]
+        # the step starts at `computed` whether or not it gets its blocks: a sliding-window group
+        # gives back what it no longer reads either way
+        self.step_start[rid] = computed
         first = self.bm.allocate(rid, toks, n)
+        for table, old in zip(self.bm.block_tables(rid), before):
+            # what the workers hold stays valid: unchanged, or out of the window (never read)
+            end = len(old) if first is None else first
+            assert all(b == o or b == NULL_BLOCK for b, o in zip(table[:end], old[:end]))
         if first is None:
-            assert self.bm.block_table(rid) == before
+            assert [len(t) for t in self.bm.block_tables(rid)] == [len(t) for t in before]
             return
-        assert self.bm.block_table(rid)[:first] == before[:first]
         copies = self.bm.take_copies()
         for src, dst in copies:
             self.content[dst] = self.content.get(src)
@@ -136,6 +165,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.next_id += 1
         self.bm.fork(rid, child)
         self.tokens[child] = list(self.tokens[rid])
+        self.step_start[child] = self.step_start[rid]
         return child
 
     @rule(rid=requests)
@@ -166,9 +196,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def _record(self, rid: int) -> None:
         # Shadow writes: every block of the request now holds the request's content at that place.
-        table = self.bm.block_table(rid)
-        for block_id, want in zip(table, block_contents(self.tokens[rid], self.bm.num_tokens(rid), self.bs)):
-            self.content[block_id] = want
+        want = block_contents(self.tokens[rid], self.bm.num_tokens(rid), self.bs)
+        for table in self.bm.block_tables(rid):
+            for block_id, content in zip(table, want):
+                if block_id != NULL_BLOCK or not self.bm.num_reserved:
+                    self.content[block_id] = content
 
     @invariant()
     def consistent(self):
@@ -178,16 +210,30 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def shared_blocks_hold_one_content(self):
         # A block shared by several tables must mean the same content to each (copy-on-write).
         for rid, seq in self.bm.seqs.items():
-            if seq.host_table is not None:
+            if seq.host_tables is not None:
                 continue
             want = block_contents(self.tokens[rid], seq.num_tokens, self.bs)
-            for block_id, content in zip(seq.table, want):
-                assert self.content[block_id] == content, (rid, block_id)
+            for table in seq.tables:
+                for block_id, content in zip(table, want):
+                    if block_id != NULL_BLOCK or not self.bm.num_reserved:
+                        assert self.content[block_id] == content, (rid, block_id)
+
+    @invariant()
+    def sliding_groups_hold_exactly_their_window(self):
+        # A sliding-window group holds no block wholly before the window of its request's last
+        # step (it went back to the pool) and every block from there on (the step reads them).
+        for rid, seq in self.bm.seqs.items():
+            if seq.host_tables is not None:
+                continue
+            for window, table in zip(self.WINDOWS, seq.tables):
+                lo = self.bm._window_start(window, self.step_start[rid])
+                assert all(b == NULL_BLOCK for b in table[:lo]), (rid, window, table)
+                assert NULL_BLOCK not in table[lo:] or not self.bm.num_reserved, (rid, window, table)
 
     @invariant()
     def hashes_name_their_content(self):
         # A cached hash never points to a block that was reused for other content.
-        for h, block in self.bm.cached.items():
+        for h, block in (item for cache in self.bm.caches for item in cache.items()):
             parent, chunk = self.content[block.block_id]
             assert len(chunk) == self.bs
             assert hash_block(parent, chunk) == h
@@ -196,12 +242,24 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for rid in list(self.bm.seqs):
             self.bm.free(rid)
         check_invariants(self.bm)
-        assert self.bm.num_free_blocks == self.bm.num_blocks
+        assert self.bm.num_free_blocks == self.bm.num_usable_blocks
         assert len(self.bm.host_free) == self.bm.num_host_blocks
+
+
+class HybridBlockManagerMachine(BlockManagerMachine):
+    """The same random programs over mixed KV groups (hybrid KV): one full-attention group and
+    sliding-window groups of 6 and 9 tokens (blocks of 4), in one pool."""
+
+    WINDOWS = (None, 6, 9, 6)
+    NUM_BLOCKS = 60
 
 
 TestBlockManagerStateful = BlockManagerMachine.TestCase
 TestBlockManagerStateful.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestHybridBlockManagerStateful = HybridBlockManagerMachine.TestCase
+TestHybridBlockManagerStateful.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 

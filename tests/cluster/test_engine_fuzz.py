@@ -26,8 +26,10 @@ from pagedserve.cluster.block_manager import RequestTooLong
 from pagedserve.cluster.engine import Engine
 from pagedserve.cluster.request import RequestStatus
 from pagedserve.config import CacheConfig, EngineConfig
-from pagedserve.plan import SampledToken, StepOutput, StepPlan
+from pagedserve.plan import NULL_BLOCK, SampledToken, StepOutput, StepPlan
 from pagedserve.sampling import SamplingParams, num_beam_candidates
+from pagedserve.worker.kv_groups import kv_cache_groups
+from pagedserve.worker.loader import load_config
 from tests.cluster.test_block_manager import check_invariants
 
 VOCAB = 48  # token ids the shadow model produces (EOS = 2 among them)
@@ -39,17 +41,22 @@ class ShadowExecutor:
     def __init__(self, num_blocks: int, num_host_blocks: int) -> None:
         self.num_blocks, self.num_host_blocks = num_blocks, num_host_blocks
         self.engine: Engine | None = None
-        self.tables: dict[str, list[int]] = {}
+        self.tables: dict[str, list[list[int]]] = {}  # per KV group
         self.params: dict[str, SamplingParams] = {}
         self.reads = 0
 
     def determine_num_blocks(self, cache: CacheConfig, max_num_batched_tokens: int) -> tuple[int, int]:
         return self.num_blocks, self.num_host_blocks
 
-    def init_kv_pool(self, num_blocks: int, block_size: int, num_host_blocks: int) -> None:
+    def init_kv_pool(self, num_blocks: int, block_size: int, num_host_blocks: int,
+                     hybrid: bool = True) -> None:  # fmt: skip
         self.bs = block_size
         self.kv = [[None] * block_size for _ in range(num_blocks)]
         self.host = [[None] * block_size for _ in range(num_host_blocks)]
+
+    @property
+    def windows(self) -> list[int | None]:
+        return [g.window for g in self.engine.kv_groups]
 
     def restart(self) -> None:
         raise RuntimeError("no restarts here")
@@ -76,16 +83,17 @@ class ShadowExecutor:
                     self.params[s.req_id] = self.params[s.new["fork_of"]]
                 else:
                     self.params[s.req_id] = SamplingParams.from_dict(s.new["params"])
-                self.tables[s.req_id] = []
-            table = self.tables[s.req_id]
-            del table[s.table_start :]
-            table.extend(s.new_blocks)
-            for i, token in enumerate(s.token_ids):
-                pos = s.start_pos + i
-                self.kv[table[pos // self.bs]][pos % self.bs] = token
+                self.tables[s.req_id] = [[] for _ in self.windows]
+            for table, blocks in zip(self.tables[s.req_id], s.new_blocks, strict=True):
+                del table[s.table_start :]
+                table.extend(blocks)
+                for i, token in enumerate(s.token_ids):
+                    pos = s.start_pos + i
+                    assert table[pos // self.bs] != NULL_BLOCK or not self.engine.block_manager.num_reserved
+                    self.kv[table[pos // self.bs]][pos % self.bs] = token
         out = StepOutput([])
         for s in plan.seqs:
-            tokens = self._read(s.req_id, s.start_pos + len(s.token_ids))
+            tokens = self._read(s.req_id, s.start_pos, s.start_pos + len(s.token_ids))
             if not s.sample:
                 continue
             params = self.params[s.req_id]
@@ -98,20 +106,25 @@ class ShadowExecutor:
                 continue
             for k, row_id in enumerate([s.req_id, *s.fork_ids]):
                 if k:
-                    self.tables[row_id] = list(self.tables[s.req_id])
+                    self.tables[row_id] = [list(t) for t in self.tables[s.req_id]]
                     self.params[row_id] = params.for_sample(k)
                 token = random.Random(hash((tuple(tokens), row_id))).randrange(VOCAB)
                 out.sampled.append(SampledToken(row_id, token))
         return out
 
-    def _read(self, req_id: str, length: int) -> list[int]:
-        """The tokens this sequence's table reads back, checked against the engine's request."""
-        table = self.tables[req_id]
-        tokens = [self.kv[table[p // self.bs]][p % self.bs] for p in range(length)]
+    def _read(self, req_id: str, start: int, length: int) -> list[int]:
+        """The tokens this step's queries (from ``start``) read through each KV group's table (a
+        sliding-window group: its window), checked against the engine's request; group 0's."""
         req = self.engine.scheduler.requests[req_id]
-        assert tokens == req.all_token_ids[:length], f"{req_id} reads back other tokens than its own"
+        out = []
+        for table, window in zip(self.tables[req_id], self.windows):
+            lo = 0 if window is None else max(0, start - window + 1)
+            tokens = [self.kv[table[p // self.bs]][p % self.bs] for p in range(lo, length)]
+            assert tokens == req.all_token_ids[lo:length], f"{req_id} reads back other tokens than its own"
+            out.append(tokens)
         self.reads += 1
-        return tokens
+        assert self.windows[0] is None, "group 0 is full attention in these models"
+        return out[0]
 
 
 PREFIXES = [[11, 12, 13, 14, 15, 16, 17, 18], [21, 22, 23, 24, 25, 26]]
@@ -152,9 +165,11 @@ def check_engine(engine: Engine) -> None:
                 assert not beam.is_finished and sched.requests[beam.request_id] is beam
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_engine_model: Path) -> Path:
-    return tiny_engine_model  # only its tokenizer and config are read: the shadow executor is the model
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def model_dir(request: pytest.FixtureRequest) -> Path:
+    """Only its tokenizer and config are read (the shadow executor is the model): a Llama (one KV
+    group), and a Gemma 3 whose sliding-window layer gets its own group (hybrid KV, window 16)."""
+    return request.getfixturevalue("tiny_engine_model" if request.param == "llama" else "tiny_engine_gemma3")
 
 
 @settings(max_examples=int(os.environ.get("PAGEDSERVE_FUZZ_EXAMPLES", "25")), deadline=None,
@@ -163,8 +178,11 @@ def model_dir(tiny_engine_model: Path) -> Path:
 def test_engine_fuzz_with_a_shadow_pool(model_dir, data):
     mode = data.draw(st.sampled_from(["recompute", "swap"]), label="preemption")
     block_size = data.draw(st.sampled_from([2, 4]), label="bs")
-    # a pool just above one request's worth: preemption is the rule, not the exception
-    num_blocks = 48 // block_size + data.draw(st.integers(0, 12), label="extra blocks")
+    # a pool just above one request's worth in every KV group (and the null block with sliding
+    # windows): preemption is the rule, not the exception
+    groups = kv_cache_groups(load_config(model_dir))
+    num_blocks = len(groups) * 48 // block_size + (len(groups) > 1) + data.draw(st.integers(0, 12),
+                                                                                label="extra blocks")
     host_blocks = data.draw(st.sampled_from([6, 200]), label="host blocks")  # 6: swap often falls back
     config = EngineConfig.from_flags(
         model=str(model_dir), max_model_len=48, block_size=block_size,
@@ -206,7 +224,7 @@ def test_engine_fuzz_with_a_shadow_pool(model_dir, data):
     event(f"shared beam blocks: {st_.beam_block_steps_physical < st_.beam_block_steps_logical}")
     event(f"prefix hits: {st_.prefix_cache_hits > 0}")
     assert not engine._groups and not shadow.tables
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
     bm = engine.block_manager
     assert sorted(bm.host_free) == list(range(bm.num_host_blocks)) and not any(bm.host_ref_count)
 
@@ -250,7 +268,7 @@ def test_engine_loop_with_random_aborts_on_a_real_model(tiny_engine_model, seed)
                 aborted.add(victim)
     engine.step()
     assert engine.stats().num_preemptions > 0 and aborted
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
     greedy = sorted(r for r in prompts if kinds[r] == "greedy" and r not in aborted)
     expected = hf_greedy(tiny_engine_model, [prompts[r] for r in greedy], 8)
     assert [finals[r].outputs[0].token_ids for r in greedy] == expected

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.plan import NULL_BLOCK
 from pagedserve.worker.kv_pool import KVPool
 from pagedserve.worker.loader import load_model, load_tokenizer
 from tests.cluster.test_beam_search import count_plans
@@ -81,20 +82,86 @@ def test_greedy_batch_1_equals_transformers(gemma3_dir, prompts, expected):
     assert_pool_empty(llm)
 
 
+def count_slides(llm: LLM) -> dict[str, int]:
+    """Counts the blocks the sliding-window groups give back as requests move past their window."""
+    bm = llm.engine.block_manager
+    seen = {"blocks": 0}
+    slide = bm._slide
+
+    def counting(seq, position):
+        before = sum(b != NULL_BLOCK for t in seq.tables for b in t)
+        slide(seq, position)
+        seen["blocks"] += before - sum(b != NULL_BLOCK for t in seq.tables for b in t)
+
+    bm._slide = counting
+    return seen
+
+
+def track_blocks(llm: LLM) -> list[list[int]]:
+    """After each allocation, the blocks the request holds in each KV group (null entries not counted)."""
+    bm = llm.engine.block_manager
+    peak: list[list[int]] = []
+    allocate = bm.allocate
+
+    def tracking(req_id, *args, **kwargs):
+        out = allocate(req_id, *args, **kwargs)
+        peak.append([sum(b != NULL_BLOCK for b in t) if bm.num_reserved else len(t)
+                     for t in bm.block_tables(req_id)])  # fmt: skip
+        return out
+
+    bm.allocate = tracking
+    return peak
+
+
+def test_long_prompt_keeps_only_the_window_in_sliding_groups(gemma3_dir):
+    """A 1,400-token prompt (almost 3 windows) in chunks of 256: greedy tokens equal transformers';
+    at its last decode step each sliding-window group holds only the window's blocks (33 of 16),
+    the full-attention group every block; the disabled manager keeps every layer's blocks."""
+    tok = load_tokenizer(gemma3_dir)
+    readme = Path(__file__).resolve().parents[2].joinpath("README.md").read_text()
+    prompt = tok(readme).input_ids[:1400]
+    assert len(prompt) == 1400
+    model = hf_gemma3(str(gemma3_dir))
+    with torch.no_grad():
+        mask = torch.ones(1, len(prompt), dtype=torch.long)
+        ids = model.generate(torch.tensor([prompt]), attention_mask=mask, do_sample=False, max_new_tokens=8,
+                             pad_token_id=0)  # fmt: skip
+    want = ids[0, len(prompt) :].tolist()
+    held = []
+    for disable in (False, True):
+        llm = LLM(str(gemma3_dir), dtype="float32", max_model_len=2048, block_size=16,
+                  max_num_batched_tokens=256, disable_hybrid_kv_cache_manager=disable)  # fmt: skip
+        peak = track_blocks(llm)
+        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8))
+        assert out[0].outputs[0].token_ids == want
+        held.append(peak[-1])
+        assert_pool_empty(llm)
+        llm.shutdown()
+    hybrid, plain = held
+    blocks = -(-(1400 + 7) // 16)
+    assert hybrid[0] == blocks and all(n <= 512 // 16 + 1 for n in hybrid[1:]), hybrid
+    assert plain == [blocks]
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_greedy_batch_16_equals_transformers_with_caching_chunking_and_preemption(
     gemma3_dir, prompts, expected, mode
 ):
-    """16 long prompts at once in chunks of 256 tokens; a pool of 76 blocks of 16 (two prompts' worth)
-    so that decoding preempts; half the prompts share 256 tokens (prefix cache hits)."""
-    llm = LLM(str(gemma3_dir), dtype="float32", max_model_len=1024, block_size=16, num_gpu_blocks_override=76,
+    """16 long prompts at once in chunks of 256 tokens; a pool of 480 blocks of 16 tokens of one KV
+    group (hybrid KV: 3 layers a block; two prompts' worth over the 6 groups) so that decoding
+    preempts; half the prompts share 256 tokens (prefix cache hits); the sliding-window groups
+    give back the blocks that leave their window as the requests decode past 512 tokens."""
+    llm = LLM(str(gemma3_dir), dtype="float32", max_model_len=700, block_size=16, num_gpu_blocks_override=480,
               max_num_batched_tokens=256, preemption_mode=mode)  # fmt: skip
+    assert [g.window for g in llm.engine.kv_groups] == [None] + [512] * 5
     counts = count_plans(llm)
+    slid = count_slides(llm)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert [o.outputs[0].token_ids for o in outs] == expected
     st = llm.stats()
     assert st.num_preemptions > 0 and st.prefix_cache_hits > 0
+    assert slid["blocks"] > 0
     if mode == "swap":
         assert counts["swap_out"] > 0
     assert_pool_empty(llm)
