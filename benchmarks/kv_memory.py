@@ -8,6 +8,13 @@ until its output length; finished requests leave. Both designs get the same KV b
 - paged: pagedserve's BlockManager (prefix caching on), allocating blocks as tokens arrive and
   preempting the newest request (recompute) when a step cannot get its slots.
 
+Gemma 3 (``gemma3`` in the output): long prompts (mean ~4,000 tokens) over Gemma 3 270M's layers
+(18: every sixth full attention, the others a 512-token sliding window), replayed with chunked
+prefill (a 2,048-token step budget) through the BlockManager twice on one byte budget: hybrid KV
+(a full-attention group and five sliding-window groups of 3 layers; a block holds 3 layers) against
+one table for all layers (a block holds 18 layers, every block kept). Reports KV bytes per running
+request, max and mean concurrency, preemptions and steps to finish the workload.
+
 Prints a table, the block manager's per-step cost, and as the last line one JSON object.
 """
 
@@ -24,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.workloads import DEFAULT_TRACE, Request, mooncake_trace, sharegpt_like  # noqa: E402
+from benchmarks.workloads import DEFAULT_TRACE, Request, long_prompts, mooncake_trace, sharegpt_like  # noqa: E402
 from pagedserve.cluster.block_manager import BlockManager  # noqa: E402
 
 
@@ -104,7 +111,7 @@ def replay_paged(reqs: list[Request], budget_tokens: int, block_size: int, max_m
                 bm.free(rid)
                 del running[rid]
     st = bm.stats()
-    assert st.free_blocks == bm.num_blocks, "every block must be back in the pool"
+    assert st.free_blocks == bm.num_usable_blocks, "every block must be back in the pool"
     return {
         "live_fraction": live_sum / used_sum,
         "max_concurrency": max_running,
@@ -112,6 +119,84 @@ def replay_paged(reqs: list[Request], budget_tokens: int, block_size: int, max_m
         "preemptions": preemptions,
         "prefix_blocks_saved_fraction": st.prefix_hits / max(st.prefix_queries, 1),
     }
+
+
+GEMMA3_LAYERS, GEMMA3_PATTERN, GEMMA3_WINDOW = 18, 6, 512  # Gemma 3 270M
+GEMMA3_KV_BYTES_PER_TOKEN_LAYER = 2 * 1 * 256 * 2  # K and V, 1 KV head of 256, bf16
+
+
+def gemma3_groups(hybrid: bool) -> tuple[list[int | None], int]:
+    """(window of each KV group, layers per block) of Gemma 3 270M, as kv_groups.py builds them."""
+    if not hybrid:
+        return [None], GEMMA3_LAYERS
+    full = GEMMA3_LAYERS // GEMMA3_PATTERN  # layers 5, 11, 17
+    return [None] + [GEMMA3_WINDOW] * ((GEMMA3_LAYERS - full) // full), full
+
+
+def replay_chunked(reqs: list[Request], budget_bytes: int, block_size: int, *, hybrid: bool,
+                   step_tokens: int = 2048) -> dict:  # fmt: skip
+    """The engine's scheduling, block manager only: each step running requests first (a decode
+    token, or the next prefill chunk), then waiting ones admitted in order, under one token budget;
+    the newest running request is preempted (recompute) when a step cannot get its blocks."""
+    windows, layers = gemma3_groups(hybrid)
+    block_bytes = layers * block_size * GEMMA3_KV_BYTES_PER_TOKEN_LAYER
+    bm = BlockManager(budget_bytes // block_bytes, block_size, enable_prefix_caching=True,
+                      group_windows=windows, max_chunk_tokens=step_tokens)  # fmt: skip
+    waiting = deque((i, list(r.prompt_token_ids), r.output_len) for i, r in enumerate(reqs))
+    running: dict[int, list] = {}  # id -> [tokens, prompt length, remaining output]
+    steps = preemptions = max_running = concurrency_sum = bytes_sum = 0
+    while waiting or running:
+        budget = step_tokens
+        for rid in sorted(running):
+            if rid not in running or budget == 0:
+                continue
+            tokens, prompt_len, remaining = running[rid]
+            done = bm.num_tokens(rid)
+            if done < prompt_len:
+                n = min(prompt_len - done, budget)
+            else:
+                tokens.append(rid % 30000 + remaining)
+                n = 1
+            while bm.allocate(rid, tokens, n) is None:
+                victim = max(running)
+                vt, vp, vr = running.pop(victim)
+                bm.free(victim)
+                preemptions += 1
+                if victim == rid and done >= prompt_len:
+                    vt = vt[:-1]
+                waiting.appendleft((victim, vt, vr))
+                if victim == rid:
+                    break
+            if rid not in running:
+                continue
+            budget -= n
+            if bm.num_tokens(rid) >= prompt_len and n == 1 and done >= prompt_len:
+                running[rid][2] -= 1
+                if running[rid][2] == 0:
+                    bm.free(rid)
+                    del running[rid]
+        while waiting and budget > 0:
+            rid, tokens, remaining = waiting[0]
+            hit = bm.match_prefix(tokens)
+            n = min(len(tokens) - hit.num_tokens, budget)
+            if running and bm.num_free_blocks - bm.blocks_needed(n) < max(1, bm.num_blocks // 100):
+                break
+            if bm.allocate(rid, tokens, n, prefix=hit) is None:
+                break
+            waiting.popleft()
+            # a preempted request re-prefills its outputs as prompt (recompute)
+            running[rid] = [tokens, len(tokens), remaining]
+            budget -= n
+        if budget == step_tokens:
+            raise RuntimeError("a request does not fit in the empty pool")
+        steps += 1
+        max_running = max(max_running, len(running))
+        concurrency_sum += len(running)
+        bytes_sum += bm.stats().used_blocks * block_bytes / max(len(running), 1)
+    assert bm.stats().free_blocks == bm.num_usable_blocks, "every block must be back in the pool"
+    return {"kv_bytes_per_request": bytes_sum / steps, "max_concurrency": max_running,
+            "mean_concurrency": concurrency_sum / steps, "preemptions": preemptions, "steps": steps,
+            "num_blocks": bm.num_blocks}  # fmt: skip
 
 
 def synthetic_candidates(rng: random.Random, k: int, eos: int, vocab: int) -> tuple[list[int], list[float]]:
@@ -183,7 +268,7 @@ def replay_beams(reqs: list[Request], width: int, block_size: int, *, beams: boo
             steps += 1
         for rid, _, _ in live:
             bm.free(rid)
-    assert bm.stats().free_blocks == bm.num_blocks, "every block must be back in the pool"
+    assert bm.stats().free_blocks == bm.num_usable_blocks, "every block must be back in the pool"
     return {"saved_fraction": 1 - physical / logical, "steps": steps, "copies": copies,
             "mean_blocks_logical": logical / steps, "mean_blocks_physical": physical / steps}  # fmt: skip
 
@@ -229,6 +314,8 @@ def main() -> None:
     ap.add_argument("--trace-block-tokens", type=int, default=16, help="tokens per 512-token trace block")
     ap.add_argument("--beam-requests", type=int, default=100, help="requests of the beam-search workload")
     ap.add_argument("--beam-output-scale", type=float, default=0.25, help="scale their output lengths")
+    ap.add_argument("--gemma3-requests", type=int, default=200, help="requests of the Gemma 3 workload")
+    ap.add_argument("--gemma3-budget-gib", type=float, default=1.0, help="its KV budget (bf16)")
     args = ap.parse_args()
     budget = args.budget_seqs * args.max_model_len
     workloads = {
@@ -292,6 +379,45 @@ def main() -> None:
         print(f"{width:>6}{b['saved_fraction']:>13.3f}{n['saved_fraction']:>11.3f}{copies:>17.2f}")
         result["beam"][f"w{width}"] = {"beam_saved_fraction": round(b["saved_fraction"], 4),
                                         "samples_saved_fraction": round(n["saved_fraction"], 4)}  # fmt: skip
+    gemma = long_prompts(args.gemma3_requests, mean_input=4000, mean_output=256, seed=5)
+    mean_prompt = sum(len(r.prompt_token_ids) for r in gemma) / len(gemma)
+    budget_bytes = int(args.gemma3_budget_gib * (1 << 30))
+    print(f"\nGemma 3 270M layers (1 full : 5 sliding, window 512), {len(gemma)} requests, prompts mean "
+          f"{mean_prompt:.0f} tokens, outputs mean {sum(r.output_len for r in gemma) / len(gemma):.0f}; "
+          f"KV budget {args.gemma3_budget_gib} GiB (bf16), chunked prefill 2048 tokens a step:")  # fmt: skip
+    print(f"{'design':<22}{'blocks':>8}{'KV MiB/req':>12}{'max conc':>10}{'mean conc':>11}{'preempt':>9}"
+          f"{'steps':>8}")  # fmt: skip
+    rows = {}
+    for name, hybrid in (("every layer's blocks", False), ("hybrid KV", True)):
+        t0 = time.perf_counter()
+        r = replay_chunked(gemma, budget_bytes, args.block_size, hybrid=hybrid)
+        rows[hybrid] = r
+        mib = r["kv_bytes_per_request"] / 2**20
+        print(f"{name:<22}{r['num_blocks']:>8}{mib:>12.1f}{r['max_concurrency']:>10}"
+              f"{r['mean_concurrency']:>11.1f}{r['preemptions']:>9}{r['steps']:>8}"
+              f"   ({time.perf_counter() - t0:.1f}s)")  # fmt: skip
+    plain, hyb = rows[False], rows[True]
+    ideal = GEMMA3_LAYERS * mean_prompt / (
+        GEMMA3_LAYERS // GEMMA3_PATTERN * mean_prompt
+        + (GEMMA3_LAYERS - GEMMA3_LAYERS // GEMMA3_PATTERN) * min(GEMMA3_WINDOW, mean_prompt)
+    )
+    less = plain["kv_bytes_per_request"] / hyb["kv_bytes_per_request"]
+    conc = hyb["mean_concurrency"] / plain["mean_concurrency"]
+    print(f"hybrid KV: {less:.2f}x less KV per request (ideal at the mean prompt: {ideal:.2f}x), "
+          f"{conc:.2f}x the mean concurrency, {plain['steps'] / hyb['steps']:.2f}x fewer steps")  # fmt: skip
+    result["gemma3"] = {
+        "mean_prompt_tokens": round(mean_prompt),
+        "kv_mib_per_request_hybrid": round(hyb["kv_bytes_per_request"] / 2**20, 1),
+        "kv_mib_per_request_all_layers": round(plain["kv_bytes_per_request"] / 2**20, 1),
+        "kv_per_request_ratio": round(plain["kv_bytes_per_request"] / hyb["kv_bytes_per_request"], 2),
+        "ideal_ratio": round(ideal, 2),
+        "max_concurrency_hybrid": hyb["max_concurrency"],
+        "max_concurrency_all_layers": plain["max_concurrency"],
+        "mean_concurrency_ratio": round(hyb["mean_concurrency"] / plain["mean_concurrency"], 2),
+        "steps_ratio": round(plain["steps"] / hyb["steps"], 2),
+        "preemptions_hybrid": hyb["preemptions"],
+        "preemptions_all_layers": plain["preemptions"],
+    }
     cost = bookkeeping_cost(args.block_size)
     print(
         f"block work per decode step, {cost['running']} running: {cost['decode_step_ms']:.3f} ms; "

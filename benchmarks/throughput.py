@@ -4,7 +4,11 @@ Workload: ShareGPT-like lengths (mean input ~161, output ~338 scaled by --output
 run ends in minutes), and a variant where every prompt starts with one of 4 shared 256-token
 system prompts. Greedy decoding, EOS ignored so that both produce exactly the requested lengths.
 ``--workloads beam`` instead runs the same prompts as beam searches of --beam-width against as
-many independent samples (no transformers baseline there).
+many independent samples (no transformers baseline there). ``--workloads hybrid`` (a model with
+sliding-window layers, e.g. ``--model gemma3``) runs long prompts (mean --hybrid-prompt tokens)
+through the engine twice on the same KV bytes, with the hybrid KV manager (sliding-window layers
+keep only their window's blocks) and with --disable-hybrid-kv-cache-manager (every layer keeps
+every block): output tok/s, the ratio, the most requests running at once and preemptions.
 
 KV budget: what --baseline-batch requests at --max-model-len need when each reserves its full
 length, as transformers' contiguous cache must. The baseline therefore runs batches of that size
@@ -29,9 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from benchmarks.workloads import Request, sharegpt_like  # noqa: E402
+from benchmarks.workloads import Request, long_prompts, sharegpt_like  # noqa: E402
 from pagedserve import LLM, SamplingParams  # noqa: E402
-from pagedserve.worker.loader import resolve_model  # noqa: E402
+from pagedserve.worker.kv_groups import kv_cache_groups  # noqa: E402
+from pagedserve.worker.loader import load_config, resolve_model  # noqa: E402
 
 
 def run_baseline(model, reqs: list[Request], batch: int, pad_id: int) -> tuple[float, int]:
@@ -122,6 +127,50 @@ def run_beam_vs_samples(llm: LLM, reqs: list[Request], width: int, beams: bool) 
             "preemptions": st.num_preemptions - start.num_preemptions}  # fmt: skip
 
 
+def layers_per_block(path: Path, hybrid: bool) -> tuple[int, int]:
+    """(layers, layers one pool block holds): all of them, or one KV group's with hybrid KV."""
+    config = load_config(path)
+    return config.num_hidden_layers, len(kv_cache_groups(config, hybrid)[0].layers)
+
+
+def hybrid_compare(path: Path, args: argparse.Namespace, vocab: int) -> dict:
+    """The same long prompts through two engines with the same KV bytes (--hybrid-kv-tokens tokens
+    of every layer's K/V): hybrid KV against every layer keeping every block."""
+    reqs = long_prompts(args.hybrid_requests, mean_input=args.hybrid_prompt, mean_output=args.hybrid_output,
+                        seed=4, vocab_size=vocab - 1)  # fmt: skip
+    max_len = max(len(r.prompt_token_ids) + r.output_len for r in reqs)
+    warm = long_prompts(4, mean_input=args.hybrid_prompt, mean_output=4, seed=9, vocab_size=vocab - 1)
+    out = {}
+    for hybrid in (True, False):
+        layers, per_block = layers_per_block(path, hybrid)
+        blocks = args.hybrid_kv_tokens // args.block_size * layers // per_block + hybrid  # + the null block
+        llm = LLM(str(path), dtype=args.dtype, block_size=args.block_size, max_model_len=max_len,
+                  num_gpu_blocks_override=blocks, max_num_seqs=256, max_num_batched_tokens=2048,
+                  disable_hybrid_kv_cache_manager=not hybrid)  # fmt: skip
+        run_pagedserve(llm, warm, 1 << 30)  # untimed: one-time costs per shape
+        r = run_pagedserve(llm, reqs, 1 << 30)
+        r["tokens_per_s"] = r["tokens"] / r["seconds"]
+        r["blocks"], r["layers_per_block"] = blocks, per_block
+        out["hybrid" if hybrid else "all_layers"] = r
+        llm.shutdown()
+        del llm
+    h, a = out["hybrid"], out["all_layers"]
+    mean_prompt = sum(len(r.prompt_token_ids) for r in reqs) / len(reqs)
+    print(f"\n[hybrid] {len(reqs)} requests, prompts mean {mean_prompt:.0f} tokens, {h['tokens']} output "
+          f"tokens; KV budget {args.hybrid_kv_tokens} tokens of every layer")  # fmt: skip
+    for label, r in (("hybrid KV", h), ("every layer's blocks", a)):
+        print(f"  {label:<21} {r['tokens_per_s']:8.1f} tok/s ({r['seconds']:.1f} s), {r['blocks']} blocks of "
+              f"{r['layers_per_block']} layers, max {r['max_running']} running, "
+              f"preemptions {r['preemptions']}")  # fmt: skip
+    ratio = h["tokens_per_s"] / a["tokens_per_s"]
+    print(f"  throughput ratio hybrid/all layers {ratio:.2f}")
+    return {"hybrid_tokens_per_s": round(h["tokens_per_s"], 1),
+            "all_layers_tokens_per_s": round(a["tokens_per_s"], 1), "ratio": round(ratio, 2),
+            "mean_prompt_tokens": round(mean_prompt),
+            "max_running_hybrid": h["max_running"], "max_running_all_layers": a["max_running"],
+            "preemptions_hybrid": h["preemptions"], "preemptions_all_layers": a["preemptions"]}  # fmt: skip
+
+
 def busy_split(llm: LLM, num_requests: int, busy: int, vocab: int) -> dict:
     """Step-time split with many requests running at once: equal 64-token prompts and outputs."""
     reqs = [Request([(i * 131 + j * 7) % (vocab - 1) for j in range(64)], 64) for i in range(num_requests)]
@@ -145,6 +194,11 @@ def main() -> None:
     ap.add_argument("--beam-width", type=int, default=4, help="the beam workload's width (and n)")
     ap.add_argument("--beam-requests", type=int, default=16, help="requests of the beam workload")
     ap.add_argument("--no-busy", action="store_true", help="skip the step-split run")
+    ap.add_argument("--hybrid-requests", type=int, default=24, help="requests of the hybrid workload")
+    ap.add_argument("--hybrid-prompt", type=int, default=1500, help="their mean prompt length")
+    ap.add_argument("--hybrid-output", type=int, default=32, help="their mean output length")
+    ap.add_argument("--hybrid-kv-tokens", type=int, default=8192,
+                    help="their KV budget, in tokens of every layer's K/V")
     args = ap.parse_args()
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     if args.model == "gemma3":  # Gemma 3 270M from the test dependency's GGUF
@@ -154,16 +208,22 @@ def main() -> None:
     path = resolve_model(args.model)
     dtype = getattr(torch, args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).eval()
-    num_blocks = args.baseline_batch * args.max_model_len // args.block_size
+    # the baseline's KV bytes as blocks: a block holds every layer, or (hybrid KV) one KV group's
+    layers, per_block = layers_per_block(path, True)
+    num_blocks = args.baseline_batch * args.max_model_len // args.block_size * layers // per_block
     llm = LLM(str(path), dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len,
               num_gpu_blocks_override=num_blocks, max_num_seqs=256, max_num_batched_tokens=2048)  # fmt: skip
     vocab = hf.config.vocab_size
     print(
-        f"model {path.name} {args.dtype}; KV budget {num_blocks * args.block_size} tokens "
+        f"model {path.name} {args.dtype}; KV budget {num_blocks * args.block_size * per_block // layers} "
+        f"tokens "
         f"({args.baseline_batch} x max_model_len {args.max_model_len}); threads {torch.get_num_threads()}"
     )
     result = {}
     for name in args.workloads.split(","):
+        if name == "hybrid":
+            result["hybrid"] = hybrid_compare(path, args, vocab)
+            continue
         if name == "beam":
             reqs = sharegpt_like(args.beam_requests, max_model_len=args.max_model_len, vocab_size=vocab - 1,
                                  seed=2)  # fmt: skip

@@ -53,6 +53,20 @@ def sharegpt_like(
     return out
 
 
+def long_prompts(num_requests: int, *, mean_input: int, mean_output: int, seed: int,
+                 vocab_size: int = 32000) -> list[Request]:
+    """Long-context requests: prompts lognormal around ``mean_input`` tokens (sigma 0.5, within
+    [mean/4, 3 mean]), outputs lognormal around ``mean_output`` (sigma 0.9, at least 1)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num_requests):
+        n_in = int(min(max(rng.lognormvariate(math.log(mean_input) - 0.125, 0.5), mean_input / 4),
+                       3 * mean_input))  # fmt: skip
+        n_out = max(1, int(rng.lognormvariate(math.log(mean_output) - 0.405, 0.9)))
+        out.append(Request([rng.randrange(vocab_size) for _ in range(n_in)], n_out))
+    return out
+
+
 def mooncake_trace(
     path: str | Path = DEFAULT_TRACE,
     *,

@@ -256,11 +256,13 @@ class HybridBlockManagerMachine(BlockManagerMachine):
 
 TestBlockManagerStateful = BlockManagerMachine.TestCase
 TestBlockManagerStateful.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=150, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestHybridBlockManagerStateful = HybridBlockManagerMachine.TestCase
 TestHybridBlockManagerStateful.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=150, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 
 
@@ -438,3 +440,47 @@ def test_recompute_is_not_counted_as_a_hit():
     bm.free("a")  # preempted by recompute
     bm.allocate("a", p, 1, prefix=bm.match_prefix(p), count_prefix_stats=False)
     assert bm.stats().prefix_hits == 0 and bm.stats().prefix_queries == 13
+
+
+def test_hybrid_sliding_group_gives_back_blocks_out_of_its_window() -> None:
+    """A full-attention group keeps every block; a sliding group of window 8 (blocks of 4) holds
+    only what the step's first query reads, and the rest goes back to the pool (cached)."""
+    bm = BlockManager(64, 4, group_windows=(None, 8))
+    tokens = list(range(100, 140))
+    for start in range(0, 40, 4):  # chunks of 4 tokens
+        assert bm.allocate("a", tokens, 4) is not None
+        full, sliding = bm.block_tables("a")
+        lo = max(0, start - 8 + 1) // 4
+        assert len(full) == len(sliding) == start // 4 + 1 and NULL_BLOCK not in full
+        assert sliding[:lo] == [NULL_BLOCK] * lo and NULL_BLOCK not in sliding[lo:]
+    assert bm.stats().used_blocks == 10 + 3  # 40 tokens in the full group, 3 blocks in the window
+    bm.free("a")
+    assert bm.num_free_blocks == bm.num_usable_blocks == 63
+
+
+def test_hybrid_prefix_hit_needs_the_window_before_it_in_sliding_groups() -> None:
+    """vLLM's rule: a hit of n blocks needs the full group's n blocks and the sliding group's
+    blocks of the window before token n * block_size; without those it is shorter."""
+    bm = BlockManager(64, 4, group_windows=(None, 8))
+    prompt = list(range(200, 233))  # 33 tokens: at most 8 blocks can hit
+    assert bm.allocate("a", prompt, 33) is not None
+    bm.free("a")
+    hashes = hash_blocks(prompt, 4)
+    hit = bm.match_prefix(prompt)
+    assert hit.num_tokens == 32
+    full, sliding = hit.group_blocks
+    assert [b.block_hash for b in full] == hashes[:8]
+    # the query at 32 reads keys 25.. : blocks 6 and 7 of the sliding group, the others are null
+    assert sliding[:6] == [None] * 6 and [b.block_hash for b in sliding[6:]] == hashes[6:8]
+    assert bm.allocate("b", prompt, 1, prefix=hit) == 8
+    assert bm.block_tables("b")[1][:6] == [NULL_BLOCK] * 6
+    bm.free("b")
+    # the sliding group's block 7 evicted: 8 blocks cannot hit, 7 can (blocks 5 and 6 are cached)
+    bm._uncache(bm.caches[1][hashes[7]])
+    hit = bm.match_prefix(prompt)
+    assert hit.num_tokens == 28 and [b.block_hash for b in hit.group_blocks[1][5:]] == hashes[5:7]
+    # and without the full group's block 3 nothing past 3 blocks can hit at all
+    bm._uncache(bm.caches[0][hashes[3]])
+    hit = bm.match_prefix(prompt)
+    assert hit.num_tokens == 12 and hit.group_blocks[1] == [None] + [bm.caches[1][h] for h in hashes[1:3]]
+    assert bm.take_events()[-1] == ("removed", [hashes[3]])  # events come from group 0 only

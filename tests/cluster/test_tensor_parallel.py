@@ -63,8 +63,10 @@ def test_size_2_greedy_equals_transformers_with_caching_chunking_and_preemption(
     prompts = mixed_prompts()
     expected = hf_greedy(model, prompts, MAX_NEW)
     for mode in ("recompute", "swap"):
-        # a pool small enough to preempt, chunks of 24 tokens, prefix caching on (the default)
-        llm = tp_llm(model, 2, num_gpu_blocks_override=20, max_model_len=160, block_size=8,
+        # a pool small enough to preempt, chunks of 24 tokens, prefix caching on (the default);
+        # Gemma 3's layers form two KV groups (hybrid KV): a block holds one layer, not two
+        blocks = 20 if kind != "gemma3" else 46
+        llm = tp_llm(model, 2, num_gpu_blocks_override=blocks, max_model_len=160, block_size=8,
                      preemption_mode=mode, swap_space=0.002, max_num_batched_tokens=24)  # fmt: skip
         try:
             assert run(llm, prompts, GREEDY) == expected
