@@ -242,7 +242,8 @@ def _decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, layout: _Layout, scale:
     group = num_q_heads // layout.num_kv_heads
     # the G query heads of a KV head are G query rows against its keys: plain batched attention
     o = _sdpa(q.view(num_seqs, layout.num_kv_heads, group, head_dim), k, v, mask, scale)
-    return o.view(num_seqs, num_q_heads, head_dim).masked_fill(empty[:, None, None], 0)
+    # reshape, not view: CUDA SDPA may return a non-contiguous output (fp32 on an H200 did)
+    return o.reshape(num_seqs, num_q_heads, head_dim).masked_fill(empty[:, None, None], 0)
 
 
 def _extend(q: Tensor, k_cache: Tensor, v_cache: Tensor, layout: _Layout, b: int, scale: float,
