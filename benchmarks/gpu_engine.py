@@ -192,7 +192,14 @@ def case_chunked_prefill(path, prompts, expected):
 
 def case_preemption(mode: str) -> CaseFn:
     def case(path, prompts, expected):
-        llm = LLM(str(path), dtype="float32", num_gpu_blocks_override=20, max_model_len=160, block_size=8,
+        # 20 blocks of every layer's KV: with hybrid KV (Gemma 3) a block holds one KV group's
+        # layers, so the same bytes are 20 blocks per group (and the null block)
+        from pagedserve.worker.kv_groups import kv_cache_groups
+        from pagedserve.worker.loader import load_config
+
+        groups = len(kv_cache_groups(load_config(path)))
+        blocks = 20 * groups + (groups > 1)
+        llm = LLM(str(path), dtype="float32", num_gpu_blocks_override=blocks, max_model_len=160, block_size=8,
                   preemption_mode=mode, swap_space=0.002, max_num_batched_tokens=160)  # fmt: skip
         counts = count_plans(llm)
         problems = mismatches(generate(llm, prompts, MAX_NEW), expected)
@@ -415,6 +422,42 @@ def run_throughput(models: Path, quick: bool, deadline: float) -> dict:
     return {"throughput": results}
 
 
+def run_hybrid(models: Path, quick: bool) -> dict:
+    """Hybrid KV against every layer's blocks on one KV budget (benchmarks/throughput.py's
+    ``hybrid_compare``): a random-weight model of Gemma 3 270M's shape (``gemma3_270m/``: its
+    converted config.json and tokenizer, tokenizer.json gzipped), bf16, 128 requests with prompts
+    of mean 4,000 tokens and outputs of mean 128, a budget of 65,536 tokens of every layer's K/V.
+    ``quick``: the tiny Gemma 3 (window 16) on a small workload."""
+    import gzip
+    from argparse import Namespace
+
+    from transformers import AutoConfig
+
+    from benchmarks.throughput import hybrid_compare
+
+    if quick:
+        folder, dtype = models / "gemma3", "float32"
+        ns = Namespace(hybrid_requests=6, hybrid_prompt=80, hybrid_output=8, hybrid_kv_tokens=512)
+    else:
+        src = models / "gemma3_270m"
+        folder, dtype = Path(tempfile.mkdtemp(prefix="gemma3-270m-shape-")), "bfloat16"
+        config = AutoConfig.from_pretrained(src)
+        torch.manual_seed(0)
+        with torch.device(DEVICE):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.save_pretrained(folder)
+        del model
+        for f in src.iterdir():
+            if f.name.endswith(".gz"):
+                (folder / f.name[:-3]).write_bytes(gzip.decompress(f.read_bytes()))
+            elif f.name != "config.json":
+                shutil.copy(f, folder / f.name)
+        ns = Namespace(hybrid_requests=128, hybrid_prompt=4000, hybrid_output=128, hybrid_kv_tokens=65536)
+    ns.block_size, ns.dtype = 16, dtype
+    vocab = AutoConfig.from_pretrained(folder).vocab_size
+    return {"hybrid": hybrid_compare(folder, ns, vocab)}
+
+
 def main() -> None:
     global DEVICE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -423,13 +466,15 @@ def main() -> None:
     parser.add_argument("--checks", action="store_true", help="run the greedy checks (default: both parts)")
     parser.add_argument("--throughput", action="store_true", help="run the throughput part")
     parser.add_argument("--quick", action="store_true", help="a small throughput workload (CPU dry run)")
+    parser.add_argument("--hybrid", action="store_true",
+                        help="hybrid KV against every layer's blocks (gemma3_270m/ in --models)")  # fmt: skip
     parser.add_argument("--budget-s", type=float, default=150.0,
                         help="start no further throughput model after this many seconds")  # fmt: skip
     parser.add_argument("--out", help="append one JSON line of figures here")
     args = parser.parse_args()
     start = time.perf_counter()
     DEVICE = torch.device(args.device)
-    both = not (args.checks or args.throughput)
+    both = not (args.checks or args.throughput or args.hybrid)
     # exactness against transformers: fp32 matmuls in full precision (no TF32) on both sides
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -454,6 +499,8 @@ def main() -> None:
             summary.update(figures)
         if args.throughput or both:
             summary.update(run_throughput(args.models, args.quick, start + args.budget_s))
+        if args.hybrid:
+            summary.update(run_hybrid(args.models, args.quick))
     except BaseException:
         summary["error"] = traceback.format_exc()[-2000:]
         write()

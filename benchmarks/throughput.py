@@ -138,8 +138,8 @@ def hybrid_compare(path: Path, args: argparse.Namespace, vocab: int) -> dict:
     of every layer's K/V): hybrid KV against every layer keeping every block."""
     reqs = long_prompts(args.hybrid_requests, mean_input=args.hybrid_prompt, mean_output=args.hybrid_output,
                         seed=4, vocab_size=vocab - 1)  # fmt: skip
-    max_len = max(len(r.prompt_token_ids) + r.output_len for r in reqs)
     warm = long_prompts(4, mean_input=args.hybrid_prompt, mean_output=4, seed=9, vocab_size=vocab - 1)
+    max_len = max(len(r.prompt_token_ids) + r.output_len for r in reqs + warm)
     out = {}
     for hybrid in (True, False):
         layers, per_block = layers_per_block(path, hybrid)
@@ -206,6 +206,9 @@ def main() -> None:
 
         args.model = str(assemble())
     path = resolve_model(args.model)
+    if args.workloads == "hybrid":  # no transformers baseline: two engines only
+        print(json.dumps({"hybrid": hybrid_compare(path, args, load_config(path).vocab_size)}))
+        return
     dtype = getattr(torch, args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).eval()
     # the baseline's KV bytes as blocks: a block holds every layer, or (hybrid KV) one KV group's
