@@ -422,13 +422,35 @@ def run_throughput(models: Path, quick: bool, deadline: float) -> dict:
     return {"throughput": results}
 
 
+def build_gemma3_shape(models: Path) -> Path:
+    """A random-weight bf16 model of Gemma 3 270M's shape in a temp folder, from
+    ``models``/gemma3_270m (the converted config.json and tokenizer files, tokenizer.json gzipped)."""
+    import gzip
+
+    from transformers import AutoConfig
+
+    src = models / "gemma3_270m"
+    folder = Path(tempfile.mkdtemp(prefix="gemma3-270m-shape-"))
+    config = AutoConfig.from_pretrained(src)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    del model
+    for f in src.iterdir():
+        if f.name.endswith(".gz"):
+            (folder / f.name[:-3]).write_bytes(gzip.decompress(f.read_bytes()))
+        elif f.name != "config.json":
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
 def run_hybrid(models: Path, quick: bool) -> dict:
     """Hybrid KV against every layer's blocks on one KV budget (benchmarks/throughput.py's
     ``hybrid_compare``): a random-weight model of Gemma 3 270M's shape (``gemma3_270m/``: its
     converted config.json and tokenizer, tokenizer.json gzipped), bf16, 128 requests with prompts
     of mean 4,000 tokens and outputs of mean 128, a budget of 65,536 tokens of every layer's K/V.
     ``quick``: the tiny Gemma 3 (window 16) on a small workload."""
-    import gzip
     from argparse import Namespace
 
     from transformers import AutoConfig
@@ -439,19 +461,7 @@ def run_hybrid(models: Path, quick: bool) -> dict:
         folder, dtype = models / "gemma3", "float32"
         ns = Namespace(hybrid_requests=6, hybrid_prompt=80, hybrid_output=8, hybrid_kv_tokens=512)
     else:
-        src = models / "gemma3_270m"
-        folder, dtype = Path(tempfile.mkdtemp(prefix="gemma3-270m-shape-")), "bfloat16"
-        config = AutoConfig.from_pretrained(src)
-        torch.manual_seed(0)
-        with torch.device(DEVICE):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        model.save_pretrained(folder)
-        del model
-        for f in src.iterdir():
-            if f.name.endswith(".gz"):
-                (folder / f.name[:-3]).write_bytes(gzip.decompress(f.read_bytes()))
-            elif f.name != "config.json":
-                shutil.copy(f, folder / f.name)
+        folder, dtype = build_gemma3_shape(models), "bfloat16"
         ns = Namespace(hybrid_requests=128, hybrid_prompt=4000, hybrid_output=128, hybrid_kv_tokens=65536)
     ns.block_size, ns.dtype = 16, dtype
     vocab = AutoConfig.from_pretrained(folder).vocab_size
