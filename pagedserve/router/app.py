@@ -31,6 +31,7 @@ from typing import Any
 import ray
 from fastapi import FastAPI
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
@@ -51,6 +52,10 @@ COMPACT_EVENTS_AT = 10_000  # unpublished KV events (the state actor is unreacha
 ROUTING_STATS_PERIOD_S = 0.5
 HEALTH_TIMEOUT_S = 10.0
 RETRIES_ON_RANK_FAILURE = 1  # a request that streamed nothing yet is sent again once
+# A request whose replica died (process killed, node lost) before it streamed anything is sent
+# again, after a pause that lets Serve's routers learn the replica is gone.
+RETRIES_ON_REPLICA_LOSS = 3
+REPLICA_LOSS_BACKOFF_S = 0.5
 # Fractional CPUs: two engine replicas and the ingress fit on a 2-core machine. The engine's
 # torch threads are sized separately (see build_app), from the cores there are.
 ENGINE_NUM_CPUS = 0.5
@@ -237,8 +242,12 @@ class OpenAIIngress:
 
         A request whose replica lost a tensor-parallel rank before it streamed anything is sent
         once more (the router may pick another replica; the same one serves it once rebuilt).
+        One whose replica died before it streamed anything is sent again (up to
+        RETRIES_ON_REPLICA_LOSS times, to a live replica once Serve has noticed); one that had
+        streamed tokens ends with a 503 ``engine_lost`` error (in the stream when it has begun).
         """
-        for attempt in range(RETRIES_ON_RANK_FAILURE + 1):
+        rank_retries = loss_retries = 0
+        while True:
             _own_internal_request_id()
             response = self._streaming.generate.remote(request)
             finished = retry = False
@@ -246,21 +255,34 @@ class OpenAIIngress:
             try:
                 async for delta in response:
                     finished = "error" in delta or delta["finished"]
-                    if not streamed and _rank_failure(delta) and attempt < RETRIES_ON_RANK_FAILURE:
+                    if not streamed and _rank_failure(delta) and rank_retries < RETRIES_ON_RANK_FAILURE:
+                        rank_retries += 1
                         retry = True
+                        why = delta["error"]["message"]
                         break
                     streamed = True
                     yield delta
             except (BackPressureError, DeploymentUnavailableError) as exc:
                 finished = True
                 raise overloaded(f"no engine replica can take the request now: {exc}") from exc
+            except RayActorError as exc:  # the replica's process is gone (killed, node lost)
+                finished = True
+                if streamed or loss_retries >= RETRIES_ON_REPLICA_LOSS:
+                    raise OpenAIError(
+                        503, "the engine replica serving this request was lost"
+                        f"{' after it had streamed output' if streamed else ''}; send it again",
+                        code="engine_lost",
+                    ) from exc  # fmt: skip
+                loss_retries += 1
+                retry = True
+                why = f"its replica was lost ({type(exc).__name__})"
+                await asyncio.sleep(REPLICA_LOSS_BACKOFF_S * loss_retries)
             finally:
                 if not finished:
                     response.cancel()
             if not retry:
                 return
-            logger.warning("request %s: sent again after %s", request.get("request_id"),
-                           delta["error"]["message"])  # fmt: skip
+            logger.warning("request %s: sent again after %s", request.get("request_id"), why)
 
     async def engine_health(self) -> None:
         try:

@@ -26,6 +26,10 @@ logger = logging.getLogger(__name__)
 NAMESPACE = "pagedserve"
 STATE_ACTOR_NAME = "pagedserve_replica_state"
 
+# A replica publishes every PUBLISH_PERIOD_S (0.1 s): one silent this long is gone (its process was
+# killed, its node lost) and is dropped, so that its blocks and stats do not outlive it.
+STALE_REPLICA_S = 10.0
+
 # A log entry is [seq, replica_id, kind, hashes]; kind is "stored" | "removed" (KV events), "reset"
 # (the replica restarted: it holds nothing) or "drop" (the replica is gone).
 Entry = list
@@ -41,8 +45,11 @@ class ReplicaStateLog:
     token changes (it restarted), a "reset" entry comes first: everything it held is gone.
     """
 
-    def __init__(self, max_log_hashes: int = 2_000_000, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, max_log_hashes: int = 2_000_000, clock: Callable[[], float] = time.monotonic,
+                 stale_after_s: float = STALE_REPLICA_S) -> None:  # fmt: skip
         self.epoch = uuid.uuid4().hex
+        self.stale_after_s = stale_after_s
+        self._joins = 0  # replicas (re)joined: a replica dropped as stale that publishes again rejoins
         self.max_log_hashes = max_log_hashes
         self._clock = clock
         self._log: list[Entry] = []
@@ -52,6 +59,8 @@ class ReplicaStateLog:
         self._blocks: dict[str, set[int]] = {}  # replica id -> hashes it holds now (for snapshots)
         self._tokens: dict[str, str] = {}
         self._stats: dict[str, tuple[dict, float]] = {}  # replica id -> (stats, received at)
+        self._joined: dict[str, int] = {}  # replica id -> its join number
+        self._seen: dict[str, float] = {}  # replica id -> when it last published
 
     def _append(self, replica_id: str, kind: str, hashes: list[int]) -> None:
         self._seq += 1
@@ -74,9 +83,13 @@ class ReplicaStateLog:
     def publish(self, replica_id: str, token: str, events: Sequence, stats: dict | None) -> str:
         """Apply one replica's KV events (in its order) and keep its stats as its latest.
 
-        Returns this log's epoch: a replica that sees a new one (the actor was lost and made
-        afresh) sends everything its cache holds again (``AsyncEngine.request_kv_snapshot``).
+        Returns this log's epoch and the replica's join number, as one string: a replica that sees
+        it change (the actor was lost and made afresh, or the replica was dropped as stale and has
+        rejoined) sends everything its cache holds again (``AsyncEngine.request_kv_snapshot``).
         """
+        if replica_id not in self._joined:
+            self._joins += 1
+            self._joined[replica_id] = self._joins
         if self._tokens.get(replica_id) != token:
             if replica_id in self._tokens:
                 self._reset(replica_id)
@@ -93,7 +106,8 @@ class ReplicaStateLog:
             self._append(replica_id, kind, hashes)
         if stats is not None:
             self._stats[replica_id] = (dict(stats), self._clock())
-        return self.epoch
+        self._seen[replica_id] = self._clock()
+        return f"{self.epoch}/{self._joined[replica_id]}"
 
     def drop(self, replica_id: str) -> None:
         """Forget a replica that is gone: readers drop it and its blocks, stats no longer list it."""
@@ -101,6 +115,16 @@ class ReplicaStateLog:
             self._append(replica_id, "drop", [])
         self._tokens.pop(replica_id, None)
         self._stats.pop(replica_id, None)
+        self._joined.pop(replica_id, None)
+        self._seen.pop(replica_id, None)
+
+    def drop_stale(self) -> list[str]:
+        """Drop every replica that has not published for ``stale_after_s``; returns their ids."""
+        cutoff = self._clock() - self.stale_after_s
+        stale = [rid for rid, at in self._seen.items() if at < cutoff]
+        for rid in stale:
+            self.drop(rid)
+        return stale
 
     def poll(self, since: int, epoch: str | None = None) -> dict[str, Any]:
         """Entries after ``since`` (or a snapshot), the latest stats, and how old each stats dict is.
@@ -108,6 +132,7 @@ class ReplicaStateLog:
         Returns {"epoch", "seq", "entries": [...]} or {"epoch", "seq", "snapshot": {replica: [hashes]}},
         both with "stats": {replica: dict} and "stats_age_s": {replica: seconds}.
         """
+        self.drop_stale()
         now = self._clock()
         out: dict[str, Any] = {
             "epoch": self.epoch,
@@ -123,6 +148,7 @@ class ReplicaStateLog:
 
     def cluster_stats(self) -> dict[str, dict]:
         """Each live replica's last published stats."""
+        self.drop_stale()
         return {rid: s for rid, (s, _) in self._stats.items()}
 
 

@@ -127,3 +127,77 @@ def test_compacted_kv_events_have_the_same_effect() -> None:
     assert len(compacted) == 2
     for start in (set(), {1, 2, 3, 4, 5, 6}, {6, 1}):
         assert apply(start, compacted) == apply(start, events)
+
+
+class _FakeCall:
+    """What ``handle.options(stream=True).generate.remote()`` returns: deltas, then maybe an error."""
+
+    def __init__(self, deltas: list[dict], error: BaseException | None) -> None:
+        self.deltas, self.error, self.cancelled = deltas, error, False
+
+    def __aiter__(self):
+        return self._run()
+
+    async def _run(self):
+        for d in self.deltas:
+            yield d
+        if self.error is not None:
+            raise self.error
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _FakeStreaming:
+    def __init__(self, calls: list[_FakeCall]) -> None:
+        self.calls, self.sent = calls, 0
+        self.generate = self
+
+    def remote(self, request: dict) -> _FakeCall:
+        self.sent += 1
+        return self.calls.pop(0)
+
+
+def _ingress(calls: list[_FakeCall]):
+    from pagedserve.router.app import OpenAIIngress
+
+    ingress = object.__new__(OpenAIIngress.func_or_class)  # no Serve: only generate() is under test
+    ingress._streaming = _FakeStreaming(calls)
+    return ingress
+
+
+def _collect(ingress) -> list[dict]:
+    import asyncio
+
+    async def run() -> list[dict]:
+        return [d async for d in ingress.generate({"request_id": "r"})]
+
+    return asyncio.run(run())
+
+
+def test_a_lost_replica_is_retried_until_streaming_then_fails_with_engine_lost(monkeypatch) -> None:
+    """The ingress's handling of a replica whose process died (ActorDiedError from the handle): a
+    request that has streamed nothing is sent again, one that has streamed ends with a 503
+    ``engine_lost``; at most RETRIES_ON_REPLICA_LOSS resends."""
+    from ray.exceptions import ActorDiedError
+
+    from pagedserve.router import app
+    from pagedserve.router.protocol import OpenAIError
+
+    monkeypatch.setattr(app, "REPLICA_LOSS_BACKOFF_S", 0.0)
+    delta = {"outputs": [{"token_ids": [5]}], "finished": False}
+    last = {"outputs": [{"token_ids": [6]}], "finished": True}
+    # lost before any delta, twice: sent again, then served whole by the third replica
+    ingress = _ingress([_FakeCall([], ActorDiedError()), _FakeCall([], ActorDiedError()),
+                        _FakeCall([delta, last], None)])  # fmt: skip
+    assert _collect(ingress) == [delta, last] and ingress._streaming.sent == 3
+    # lost after streaming a delta: no resend (the client has part of the output), a clear error
+    ingress = _ingress([_FakeCall([delta], ActorDiedError())])
+    with pytest.raises(OpenAIError) as err:
+        _collect(ingress)
+    assert (err.value.status, err.value.code) == (503, "engine_lost") and ingress._streaming.sent == 1
+    # lost every time: the resends are bounded
+    ingress = _ingress([_FakeCall([], ActorDiedError()) for _ in range(app.RETRIES_ON_REPLICA_LOSS + 1)])
+    with pytest.raises(OpenAIError) as err:
+        _collect(ingress)
+    assert err.value.code == "engine_lost" and ingress._streaming.sent == app.RETRIES_ON_REPLICA_LOSS + 1

@@ -253,6 +253,26 @@ def test_state_log_snapshot_after_trim_or_new_epoch() -> None:
     assert "snapshot" in log.poll(reply["seq"], "another-epoch")
 
 
+def test_state_log_drops_a_silent_replica_and_a_returning_one_rejoins() -> None:
+    """A replica killed without a goodbye (SIGKILL, a lost node) stops publishing: after
+    stale_after_s its stats and blocks are gone (readers get a "drop" entry). One that was only
+    slow and publishes again rejoins under a new join number, which tells it to resend its cache."""
+    now = [0.0]
+    log = ReplicaStateLog(clock=lambda: now[0], stale_after_s=10.0)
+    first = log.publish("r0", "t", [("stored", [1, 2])], {"num_running": 1})
+    log.publish("r1", "t", [("stored", [3])], {"num_running": 0})
+    now[0] = 8.0
+    assert log.publish("r1", "t", [], {"num_running": 0}) == log.publish("r1", "t", [], None)
+    assert set(log.cluster_stats()) == {"r0", "r1"}
+    now[0] = 12.0  # r0 silent for 12 s, r1 for 4 s
+    reply = log.poll(0, log.epoch)
+    assert set(reply["stats"]) == {"r1"} and set(log.cluster_stats()) == {"r1"}
+    assert [e[1:3] for e in reply["entries"]][-1] == ["r0", "drop"]
+    again = log.publish("r0", "t", [("stored", [9])], {"num_running": 0})
+    assert again != first and again.startswith(log.epoch)  # the replica resends its whole cache
+    assert sorted(log.poll(0, "another-epoch")["snapshot"]["r0"]) == [9]
+
+
 # ---- the Serve adapters -----------------------------------------------------------------------
 
 
