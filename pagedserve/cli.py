@@ -115,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--address", default=None, help="join this Ray cluster (default: start a private local Ray)"
     )
+    limits = serve.add_argument_group("request limits (400 past them; 413 / 408 for the body)")
+    limits.add_argument("--max-body-bytes", type=parse_size, default=None, help="request body size (8MiB)")
+    limits.add_argument("--body-timeout-s", type=float, default=None, help="time to send the body (30)")
+    limits.add_argument("--max-n", type=int, default=None, help="n, best_of, beam width (128)")
+    limits.add_argument("--max-logprobs", type=int, default=None, help="logprobs, top_logprobs (20)")
+    limits.add_argument("--max-output-tokens", type=int, default=None, help="max_tokens (the context's room)")
+    limits.add_argument("--max-prompt-tokens", type=int, default=None, help="prompt tokens (context - 1)")
 
     gen = commands.add_parser("generate", help="generate offline in this process and print the text")
     gen.add_argument("--prompt", "-p", action="append", required=True, help="a prompt (repeat for a batch)")

@@ -168,6 +168,13 @@ class ServeConfig:
     admin_token: str | None = None
     address: str | None = None  # RAY_ADDRESS to join; None starts a private local Ray
     max_waiting_requests: int = 256  # per replica; past it, 503 with Retry-After
+    # Request limits at the HTTP front (400 past them; the defaults are the engine's own caps)
+    max_body_bytes: int = 8 << 20  # a larger body gets 413
+    body_timeout_s: float = 30.0  # a body trickled slower than this gets 408 (slow-loris)
+    max_n: int = 128  # n, best_of and beam width
+    max_logprobs: int = 20  # logprobs, top_logprobs and prompt_logprobs
+    max_output_tokens: int | None = None  # max_tokens of one request (None: the context's room)
+    max_prompt_tokens: int | None = None  # prompt tokens of one request (None: max_model_len - 1)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -175,3 +182,10 @@ class ServeConfig:
         _require(self.num_replicas >= 1, "--num-replicas must be >= 1")
         _require(self.routing in ROUTING_POLICIES, f"--routing must be one of {ROUTING_POLICIES}")
         _require(self.max_waiting_requests >= 1, "--max-waiting-requests must be >= 1")
+        _require(self.max_body_bytes >= 1024, "--max-body-bytes must be >= 1024")
+        _require(self.body_timeout_s > 0, "--body-timeout-s must be positive")
+        _require(1 <= self.max_n <= 128, "--max-n must be in 1..128")
+        _require(0 <= self.max_logprobs <= 20, "--max-logprobs must be in 0..20")
+        for name in ("max_output_tokens", "max_prompt_tokens"):
+            value = getattr(self, name)
+            _require(value is None or value >= 1, f"--{name.replace('_', '-')} must be >= 1")

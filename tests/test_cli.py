@@ -44,9 +44,26 @@ def test_serve_flags_map_one_to_one() -> None:
             "swap",
             "--dtype",
             "bfloat16",
+            "--max-body-bytes",
+            "1MiB",
+            "--body-timeout-s",
+            "5",
+            "--max-n",
+            "4",
+            "--max-logprobs",
+            "3",
+            "--max-output-tokens",
+            "100",
+            "--max-prompt-tokens",
+            "1000",
+            "--disable-hybrid-kv-cache-manager",
         ]
     )
     config = serve_config_from_args(args)
+    limits = (config.max_body_bytes, config.body_timeout_s, config.max_n, config.max_logprobs)
+    assert limits == (1 << 20, 5.0, 4, 3)
+    assert (config.max_output_tokens, config.max_prompt_tokens) == (100, 1000)
+    assert config.engine.cache.disable_hybrid_kv_cache_manager
     assert (config.host, config.port, config.num_replicas, config.routing, config.api_key) == (
         "127.0.0.1",
         9000,

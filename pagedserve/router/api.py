@@ -49,13 +49,27 @@ from pagedserve.router.protocol import (
     TokenizeRequest,
 )
 from pagedserve.router.responses import ResponseBuilder, first_item, prepend
-from pagedserve.sampling import SamplingParams, SamplingParamsError
+from pagedserve.sampling import MAX_LOGPROBS, MAX_NUM_SEQUENCES, SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20  # ~1M prompt tokens as JSON ids; far beyond any context we serve
 BODY_TIMEOUT_S = 30.0  # a request body trickled slower than this (slow-loris) gets a 408
 OPEN_PATHS = ("/health", "/metrics")  # answered without an API key, as vLLM does
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Request limits (ServeConfig's of the same names): past them a 400 naming the parameter, a
+    413 for the body, a 408 for a body that does not arrive in time. The defaults are the
+    engine's own caps, so that only a deployment that wants less needs to say so."""
+
+    max_body_bytes: int = MAX_BODY_BYTES
+    body_timeout_s: float = BODY_TIMEOUT_S
+    max_n: int = MAX_NUM_SEQUENCES
+    max_logprobs: int = MAX_LOGPROBS
+    max_output_tokens: int | None = None
+    max_prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,14 +103,12 @@ class EngineClient(Protocol):
 
 
 def build_api(model: ModelInfo, tokenizer: PreTrainedTokenizerBase, client: EngineClient,
-              metrics: IngressMetrics, *, api_key: str | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES,
-              body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:  # fmt: skip
+              metrics: IngressMetrics, *, api_key: str | None = None, limits: Limits = Limits()) -> FastAPI:
     """The FastAPI app of the OpenAI-compatible API over ``client``."""
-    server = OpenAIServer(model, tokenizer, client, metrics)
+    server = OpenAIServer(model, tokenizer, client, metrics, limits)
     app = FastAPI(title="pagedserve", version="0.1.0")
-    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes,
-                       body_timeout_s=body_timeout_s)  # fmt: skip
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=limits.max_body_bytes,
+                       body_timeout_s=limits.body_timeout_s)  # fmt: skip
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -243,8 +255,9 @@ class OpenAIServer:
     """The endpoints' logic: prompts to engine requests, engine deltas to OpenAI responses."""
 
     def __init__(self, model: ModelInfo, tokenizer: PreTrainedTokenizerBase, client: EngineClient,
-                 metrics: IngressMetrics) -> None:  # fmt: skip
+                 metrics: IngressMetrics, limits: Limits = Limits()) -> None:  # fmt: skip
         self.model = model
+        self.limits = limits
         self.tokenizer = tokenizer
         self.client = client
         self.metrics = metrics
@@ -336,7 +349,30 @@ class OpenAIServer:
             raise OpenAIError(400, "the conversation is empty", param="messages")
         return ids
 
+    def check_limits(self, params: SamplingParams, body: Any) -> None:
+        """The deployment's request limits (``Limits``) on what SamplingParams already checked."""
+        lim = self.limits
+        for name, value in (("n", params.n), ("best_of", getattr(body, "best_of", None))):
+            if value is not None and value > lim.max_n:
+                raise OpenAIError(400, f"{name} must be at most {lim.max_n} on this server", param=name)
+        if params.width > lim.max_n:  # a beam search's width
+            raise OpenAIError(400, f"the beam width {params.width} is above this server's {lim.max_n}",
+                              param="n")  # fmt: skip
+        for name, value in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+            if value is not None and value > lim.max_logprobs:
+                param = "top_logprobs" if name == "logprobs" and hasattr(body, "top_logprobs") else name
+                raise OpenAIError(400, f"{param} must be at most {lim.max_logprobs} on this server",
+                                  param=param)  # fmt: skip
+        most = lim.max_output_tokens
+        if most is not None and params.max_tokens is not None and params.max_tokens > most:
+            param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+            raise OpenAIError(400, f"{param} must be at most {most} on this server", param=param)
+
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None, param: str) -> None:
+        lim = self.limits.max_prompt_tokens
+        if lim is not None and num_prompt_tokens > lim:
+            raise OpenAIError(400, f"the prompt has {num_prompt_tokens} tokens; this server takes at most "
+                              f"{lim}", param=param)  # fmt: skip
         limit = self.model.max_model_len
         if num_prompt_tokens >= limit:
             raise OpenAIError(400, f"This model's maximum context length is {limit} tokens. However, your "
@@ -371,6 +407,7 @@ class OpenAIServer:
         body.check_supported()
         prompts = self.completion_prompts(body.prompt)
         params = body.sampling_params(body.max_tokens, body.logprobs, body.best_of)
+        self.check_limits(params, body)
         for ids in prompts:
             self.check_length(len(ids), params.max_tokens, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -387,9 +424,10 @@ class OpenAIServer:
         arrival = time.monotonic()
         self.check_model(body.model)
         body.check_supported()
-        ids = self.chat_prompt(body.messages, body.add_generation_prompt, body.continue_final_message)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.sampling_params(max_tokens, body.num_logprobs)
+        self.check_limits(params, body)
+        ids = self.chat_prompt(body.messages, body.add_generation_prompt, body.continue_final_message)
         self.check_length(len(ids), params.max_tokens, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         requests = [self.engine_request(request_id, ids, params, body, http)]

@@ -39,7 +39,7 @@ from ray.serve.handle import DeploymentHandle
 
 from pagedserve.cluster.executor import cpus_per_rank
 from pagedserve.config import ConfigError, EngineConfig, ServeConfig
-from pagedserve.router.api import ModelInfo, build_api
+from pagedserve.router.api import Limits, ModelInfo, build_api
 from pagedserve.router.metrics import IngressMetrics
 from pagedserve.router.protocol import RETRY_AFTER_S, OpenAIError, OutputDeltas, overloaded
 
@@ -216,7 +216,8 @@ class EngineDeployment:
 class OpenAIIngress:
     """The HTTP entry: the OpenAI API (``router/api.py``) over a handle to the engine replicas."""
 
-    def __init__(self, engine: DeploymentHandle, engine_flags: dict[str, Any], api_key: str | None) -> None:
+    def __init__(self, engine: DeploymentHandle, engine_flags: dict[str, Any], api_key: str | None,
+                 limits: dict[str, Any] | None = None) -> None:  # fmt: skip
         from pagedserve.worker.loader import load_config, load_tokenizer, resolve_model
 
         config = EngineConfig.from_flags(**engine_flags)
@@ -233,9 +234,11 @@ class OpenAIIngress:
         self._engine = engine
         self._streaming = engine.options(stream=True)
         self._api_key = api_key
+        self._limits = Limits(**(limits or {}))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_api(self.model, self.tokenizer, self, self.metrics, api_key=self._api_key)
+        return build_api(self.model, self.tokenizer, self, self.metrics, api_key=self._api_key,
+                         limits=self._limits)  # fmt: skip
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """EngineClient.generate over the handle; closing early cancels the call on the replica.
@@ -346,6 +349,11 @@ def engine_resources(cfg: ServeConfig, env: dict[str, str]) -> dict[str, Any]:
     return options
 
 
+def limits_of(cfg: ServeConfig) -> dict[str, Any]:
+    """The HTTP front's request limits (api.Limits) from the serve config, as plain values."""
+    return {f.name: getattr(cfg, f.name) for f in fields(Limits)}
+
+
 def build_app(serve_config: ServeConfig) -> Application:
     """The Serve application for ``serve_config``: ingress + ``num_replicas`` engine replicas."""
     from pagedserve.router.prefix_router import router_class_for
@@ -376,7 +384,7 @@ def build_app(serve_config: ServeConfig) -> Application:
         # (OpenAI-shaped 503s), not the proxy's.
         max_ongoing_requests=2 * cfg.num_replicas * per_replica + 64,
         ray_actor_options={"num_cpus": INGRESS_NUM_CPUS, "runtime_env": {"env_vars": env}},
-    ).bind(engine, cfg.engine.to_flags(), cfg.api_key)
+    ).bind(engine, cfg.engine.to_flags(), cfg.api_key, limits_of(cfg))
 
 
 def serve_config_from_flags(flags: dict[str, Any]) -> ServeConfig:

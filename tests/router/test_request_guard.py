@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 
-from pagedserve.router.api import ModelInfo, build_api
+from pagedserve.router.api import Limits, ModelInfo, build_api
 from pagedserve.router.metrics import IngressMetrics
 
 
@@ -14,7 +14,7 @@ def run_request(body_chunks: list[bytes], stall: bool, timeout_s: float) -> tupl
     """Drive the real app with an ASGI receive that sends ``body_chunks`` and then, if ``stall``,
     never sends the rest. Returns (status, JSON body, seconds until the response started)."""
     model = ModelInfo("m", "m", 64, 16, 100)
-    app = build_api(model, None, None, IngressMetrics("m"), body_timeout_s=timeout_s)
+    app = build_api(model, None, None, IngressMetrics("m"), limits=Limits(body_timeout_s=timeout_s))
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
              "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
              "root_path": "", "headers": [(b"content-type", b"application/json")],
