@@ -31,9 +31,14 @@ $(STAMP): pyproject.toml
 test: install
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -ra tests
 
-# Long randomized runs kept out of `make test`: the engine fuzz with 1,000 random programs.
+# Long runs kept out of `make test` (~35 min): the engine fuzz with 1,000 random programs, the
+# schema fuzz with 300 examples per operation and mode, overload held 3 minutes at each of 2x and
+# 5x capacity, a 10-minute soak, and the replica-kill fault test.
 test-reliability: install
 	PAGEDSERVE_FUZZ_EXAMPLES=1000 OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -ra tests/cluster/test_engine_fuzz.py
+	PAGEDSERVE_SCHEMA_EXAMPLES=300 PAGEDSERVE_OVERLOAD_S=180 PAGEDSERVE_SOAK_S=600 OMP_WAIT_POLICY=PASSIVE \
+		$(BIN)/python -m pytest -q -ra -s tests/router/test_schema_fuzz.py tests/router/test_faults.py \
+		tests/router/test_soak.py "tests/router/test_api.py::test_open_loop_overload_is_shed_and_served_requests_finish"
 
 test-fast: install
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -ra -m "not slow" tests

@@ -2,11 +2,12 @@
 
 The server is the real application (``build_app``): two engine replicas of the default model
 (SmolLM2-135M-Instruct) behind the OpenAI ingress, on a free port, with an API key, small queues
-(so that backpressure is reachable) and a small context.
+(so that backpressure is reachable), a small context and a KV pool small enough to preempt.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,6 +19,31 @@ MAX_MODEL_LEN = 512
 MAX_NUM_SEQS = 4
 MAX_WAITING_REQUESTS = 2
 NUM_REPLICAS = 2
+# 91 blocks of 16 tokens per replica: less than MAX_NUM_SEQS sequences of MAX_MODEL_LEN tokens,
+# so that long requests preempt (the soak test puts the pool under that pressure)
+KV_CACHE_MEMORY = 64 << 20
+
+
+PROCESSES = ("ray::ServeReplica:pagedserve:EngineDeployment", "ray::ServeReplica:pagedserve:OpenAIIngress",
+             "ray::ProxyActor")  # fmt: skip
+
+
+def rss_mb() -> dict[str, float]:
+    """Resident memory (MB) of each serving process, by its Ray title and pid."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                title = f.read().split(b"\0")[0].decode(errors="replace")
+            with open(f"/proc/{entry}/status") as f:
+                rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            continue
+        if title.startswith(PROCESSES):
+            out[f"{title.removeprefix('ray::')}[{entry}]"] = rss / 1024
+    return out
 
 
 @dataclass(frozen=True)
@@ -43,7 +69,8 @@ def server(ray_session: None) -> Iterator[Server]:
     from pagedserve.router.app import deploy, served_model_name
 
     engine = EngineConfig.from_flags(
-        max_model_len=MAX_MODEL_LEN, kv_cache_memory=128 << 20, max_num_seqs=MAX_NUM_SEQS, dtype="float32"
+        max_model_len=MAX_MODEL_LEN, kv_cache_memory=KV_CACHE_MEMORY, max_num_seqs=MAX_NUM_SEQS,
+        dtype="float32",
     )
     config = ServeConfig(
         port=free_port(),
