@@ -35,6 +35,7 @@ from typing import Any, Protocol
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from transformers import PreTrainedTokenizerBase
@@ -226,7 +227,10 @@ class RequestGuard:
             # the client's disconnect during a stream, unbounded.
             nonlocal received, body_done
             if body_done:
-                return await receive()
+                try:
+                    return await receive()
+                except TaskCancelledError:  # Serve cancels the proxy's receive when the client leaves
+                    return {"type": "http.disconnect"}
             try:
                 message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
             except asyncio.TimeoutError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections import defaultdict
 from typing import Any
@@ -661,13 +662,13 @@ def test_overload_gets_503_with_retry_after(server: Server, http: httpx2.Client)
     wait_until_idle(http)
 
 
+@pytest.mark.timeout(2 * int(float(os.environ.get("PAGEDSERVE_OVERLOAD_S", "12"))) + 600)
 def test_open_loop_overload_is_shed_and_served_requests_finish(server: Server, http: httpx2.Client) -> None:
     """Open-loop Poisson arrivals at 2x, then 5x, the measured capacity (a short version of the
     reliability run; ``PAGEDSERVE_OVERLOAD_S`` sets each load's seconds, ``make
     test-reliability`` holds each for 3 minutes): every answer is a 200 with all its tokens or a
     503 with Retry-After sent at once; nothing else; the queues stay bounded; resident memory of
     the serving processes stays bounded; afterwards every block is free."""
-    import os
     import random
 
     from tests.router.conftest import rss_mb

@@ -82,6 +82,8 @@ def test_no_operation_answers_5xx(smollm2_dir: Path) -> None:
     assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"} <= paths, paths
     statuses: dict[tuple[str, int], int] = {}
     for op, mode in [(op, mode) for op in operations for mode in GenerationMode]:
+        if mode is GenerationMode.NEGATIVE and not (op.body or op.query or op.path_parameters):
+            continue  # nothing to break: an operation without parameters or body
 
         @given(case=op.as_strategy(generation_mode=mode))
         @settings(max_examples=EXAMPLES, deadline=None, database=None,

@@ -122,6 +122,7 @@ class Client:
         return "400"
 
 
+@pytest.mark.timeout(int(SOAK_S) + 600)
 def test_soak_mixed_traffic_loses_nothing_and_leaks_nothing(server: Server) -> None:
     with httpx2.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {server.api_key}"},
                        timeout=60) as http:  # fmt: skip
