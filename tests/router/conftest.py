@@ -42,7 +42,10 @@ def rss_mb() -> dict[str, float]:
         except (OSError, StopIteration):
             continue
         if title.startswith(PROCESSES):
-            out[f"{title.removeprefix('ray::')}[{entry}]"] = rss / 1024
+            # Ray retitles a worker with its current task ("...OpenAIIngress.handle_request"): key
+            # by the actor's class alone, so that two readings of one process match
+            name = title.removeprefix("ray::").split(".")[0]
+            out[f"{name}[{entry}]"] = rss / 1024
     return out
 
 
