@@ -98,6 +98,7 @@ class EngineDeployment:
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_waiting_requests = max_waiting_requests
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._node_id = ray.get_runtime_context().get_node_id()
         self._inflight = 0
         self._unpublished: list = []
         self._state_epoch: str | None = None  # of the cluster state log we publish to
@@ -172,6 +173,7 @@ class EngineDeployment:
             "beam_blocks_logical": s.beam_blocks_logical,
             "beam_block_steps_physical": s.beam_block_steps_physical,
             "beam_block_steps_logical": s.beam_block_steps_logical,
+            "node_id": self._node_id, "pid": os.getpid(),  # where it runs, for operators and tests
         }  # fmt: skip
 
     async def _publish_forever(self) -> None:
