@@ -221,7 +221,7 @@ class Scheduler:
                 # beyond the slots it holds already (a beam preempted after this step's allocation
                 # keeps them), in every KV group
                 growth = self.bm.growth_blocks(m.request_id, m.num_computed_tokens + n)
-                headroom += growth + (len(members) > 1)
+                headroom += growth + (len(members) > 1) * self.bm.num_groups  # a copy per KV group
                 steps.append(n)
                 left -= n
             headroom += self._watermark_blocks if self.running else 0
