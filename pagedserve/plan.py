@@ -15,6 +15,15 @@ from dataclasses import dataclass, field
 NULL_BLOCK = 0
 
 
+def window_start_block(window: int | None, position: int, block_size: int) -> int:
+    """The first block that a query at ``position`` (or later) reads with an attention window of
+    ``window`` tokens (None: full attention, block 0). The scheduler gives back a sliding-window
+    group's blocks before it, and the workers null their entries, by this one rule."""
+    if window is None:
+        return 0
+    return max(0, position - window + 1) // block_size
+
+
 @dataclass(slots=True)
 class ScheduledSeq:
     """One request's part of a step; travels to the workers as a msgpack list."""

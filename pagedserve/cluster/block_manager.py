@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.cluster.hashing import ROOT_HASH, hash_blocks
-from pagedserve.plan import NULL_BLOCK
+from pagedserve.plan import NULL_BLOCK, window_start_block
 
 RequestId = Hashable
 
@@ -173,10 +173,6 @@ class _Seq:
     host_tables: list[list[int]] | None = None  # per group, host block ids while swapped out
     slid: list[int] = field(default_factory=list)  # per group, leading entries already null
 
-    @property
-    def table(self) -> list[int]:
-        return self.tables[0]
-
 
 class BlockManager:
     """Allocates KV blocks to requests; shares them by reference count; caches full blocks by hash."""
@@ -207,6 +203,7 @@ class BlockManager:
         self.max_chunk_tokens = max_chunk_tokens
         # the null block: reserved when some group drops blocks out of its window
         self.num_reserved = int(any(w is not None for w in self.windows))
+        self._null = NULL_BLOCK if self.num_reserved else -1  # the table entry naming no block
         if num_blocks <= self.num_reserved:
             raise ValueError("the pool needs a block besides the null block")
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -276,6 +273,10 @@ class BlockManager:
         """The request's block table of every KV group (read-only views)."""
         return self.seqs[req_id].tables
 
+    def held(self, table: list[int]) -> list[int]:
+        """A table's entries that name blocks: all but a sliding-window group's null entries."""
+        return [b for b in table if b != self._null]
+
     def num_tokens(self, req_id: RequestId) -> int:
         return self.seqs[req_id].num_tokens
 
@@ -344,16 +345,14 @@ class BlockManager:
             n -= 1
         group_blocks: list[list[Block | None]] = []
         for g, window in enumerate(self.windows):
-            lo = self._window_start(window, n * self.block_size) if window is not None else 0
+            lo = self._window_start(window, n * self.block_size)
             cache = self.caches[g]
             group_blocks.append([None] * lo + [cache[h] for h in hashes[lo:n]])
         return PrefixHit(group_blocks[0], hashes, self.block_size, group_blocks)  # type: ignore[arg-type]
 
     def _window_start(self, window: int | None, position: int) -> int:
         """The first block a query at ``position`` (or later) reads in a group of ``window``."""
-        if window is None:
-            return 0
-        return max(0, position - window + 1) // self.block_size
+        return window_start_block(window, position, self.block_size)
 
     def _register_full_blocks(self, seq: _Seq, token_ids: Sequence[int]) -> None:
         n_full = seq.num_tokens // self.block_size
@@ -367,7 +366,7 @@ class BlockManager:
         stored: list[int] = []
         for g, (table, cache) in enumerate(zip(seq.tables, self.caches)):
             for i in range(seq.num_registered, n_full):
-                if table[i] == NULL_BLOCK and self.num_reserved:
+                if table[i] == self._null:
                     continue
                 block = self.blocks[table[i]]
                 h = seq.hashes[i]
@@ -537,10 +536,7 @@ class BlockManager:
 
     def _release(self, table: list[int]) -> None:
         # Tail first: a chain's last blocks are the first evicted among what this frees.
-        null = NULL_BLOCK if self.num_reserved else -1
-        for block_id in reversed(table):
-            if block_id == null:
-                continue
+        for block_id in reversed(self.held(table)):
             block = self.blocks[block_id]
             assert block.ref_count > 0, f"block {block_id} freed with no reference"
             block.ref_count -= 1
@@ -573,11 +569,9 @@ class BlockManager:
         """The child shares every block of the parent (parallel samples); writes will copy."""
         parent = self.seqs[parent_id]
         assert child_id not in self.seqs, f"request {child_id!r} already has blocks"
-        null = NULL_BLOCK if self.num_reserved else -1
         for table in parent.tables:
-            for block_id in table:
-                if block_id != null:
-                    self.blocks[block_id].ref_count += 1
+            for block_id in self.held(table):
+                self.blocks[block_id].ref_count += 1
         self.seqs[child_id] = _Seq(
             tables=[list(t) for t in parent.tables],
             num_tokens=parent.num_tokens,
@@ -598,8 +592,6 @@ class BlockManager:
             if window is not None and any(b == NULL_BLOCK for b in table[lo:num_blocks]):
                 return None
             group_blocks.append([None] * lo + [self.blocks[b] for b in table[lo:num_blocks]])
-        if self.num_groups == 1 and self.windows[0] is None:
-            return PrefixHit(group_blocks[0], hashes, self.block_size)  # type: ignore[arg-type]
         return PrefixHit(group_blocks[0], hashes, self.block_size, group_blocks)  # type: ignore[arg-type]
 
     # ---- swapping ------------------------------------------------------------------------
@@ -615,22 +607,17 @@ class BlockManager:
         """Move the requests' blocks to the host pool, each shared block once; returns the
         (device, host) copies, or None (nothing changed) when the host pool is short."""
         seqs = [self.seqs[r] for r in req_ids]
-        null = NULL_BLOCK if self.num_reserved else -1
-        unique = list(dict.fromkeys(b for seq in seqs for t in seq.tables for b in t if b != null))
+        unique = list(dict.fromkeys(b for seq in seqs for t in seq.tables for b in self.held(t)))
         if len(unique) > len(self.host_free):
             return None
         to_host = {block_id: self.host_free.pop() for block_id in unique}
-        to_host[null] = NULL_HOST
         for seq in seqs:
-            seq.host_tables = [[to_host[b] for b in t] for t in seq.tables]
-            for host_table in seq.host_tables:
-                for host_id in host_table:
-                    if host_id != NULL_HOST:
-                        self.host_ref_count[host_id] += 1
+            seq.host_tables = [[to_host.get(b, NULL_HOST) for b in t] for t in seq.tables]
             for table in seq.tables:
+                for block_id in self.held(table):
+                    self.host_ref_count[to_host[block_id]] += 1
                 self._release(table)
             seq.tables = [[] for _ in seq.tables]
-        del to_host[null]
         # The workers swap out before they copy: a copy-on-write decided this step into a block
         # that now leaves is moot, and the block's content is its source's.
         pending = {dst: src for src, dst in self._copies}

@@ -30,7 +30,7 @@ from pagedserve.cluster.outputs import (
 from pagedserve.cluster.request import Request, RequestStatus
 from pagedserve.cluster.scheduler import Scheduler
 from pagedserve.config import ConfigError, EngineConfig
-from pagedserve.plan import NULL_BLOCK, StepOutput, StepPlan
+from pagedserve.plan import StepOutput, StepPlan
 from pagedserve.sampling import SamplingParams, SamplingParamsError
 from pagedserve.worker.kv_groups import kv_cache_groups
 from pagedserve.worker.loader import check_tensor_parallel, load_config, load_tokenizer, resolve_model
@@ -364,7 +364,7 @@ class Engine:
             for b in group.beams:
                 if b.request_id in bm and not bm.is_swapped(b.request_id):
                     for table in bm.block_tables(b.request_id):
-                        held = [x for x in table if x != NULL_BLOCK] if bm.num_reserved else table
+                        held = bm.held(table)
                         logical += len(held)
                         physical.update(held)
         return logical, len(physical)

@@ -356,12 +356,10 @@ class OpenAIServer:
     def check_limits(self, params: SamplingParams, body: Any) -> None:
         """The deployment's request limits (``Limits``) on what SamplingParams already checked."""
         lim = self.limits
+        # a beam search's width is best_of (completions) or n (chat): both are checked here
         for name, value in (("n", params.n), ("best_of", getattr(body, "best_of", None))):
             if value is not None and value > lim.max_n:
                 raise OpenAIError(400, f"{name} must be at most {lim.max_n} on this server", param=name)
-        if params.width > lim.max_n:  # a beam search's width
-            raise OpenAIError(400, f"the beam width {params.width} is above this server's {lim.max_n}",
-                              param="n")  # fmt: skip
         for name, value in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
             if value is not None and value > lim.max_logprobs:
                 param = "top_logprobs" if name == "logprobs" and hasattr(body, "top_logprobs") else name

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from pagedserve.config import CacheConfig
-from pagedserve.plan import NULL_BLOCK, SampledToken, ScheduledSeq, StepOutput, StepPlan
+from pagedserve.plan import NULL_BLOCK, SampledToken, ScheduledSeq, StepOutput, StepPlan, window_start_block
 from pagedserve.sampling import (
     Sampler,
     SamplingBatch,
@@ -211,16 +211,14 @@ class Worker:
             # a beam continuing another: same params and prompt; the plan sends its whole table
             parent = self.states[s.new["fork_of"]]
             row = SamplingRow(parent.row.params, parent.row.prompt_token_ids, [], None)
-            state = self.states[s.req_id] = _SeqState(self._empty_tables(), row, parent.prompt_scored,
-                                                      slid=[0] * len(self.kv_groups))  # fmt: skip
+            state = self.states[s.req_id] = self._new_state(row, parent.prompt_scored)
         if state is None:
             assert s.new is not None, f"first sight of {s.req_id} without its prompt"
             params = SamplingParams.from_dict(s.new["params"])
             gen = make_generator(params.seed, self.device) if params.seed is not None else None
             outputs: list[int] = []
             row = SamplingRow(params, s.new["prompt_token_ids"], outputs, gen)
-            state = self.states[s.req_id] = _SeqState(self._empty_tables(), row, outputs=outputs,
-                                                      slid=[0] * len(self.kv_groups))  # fmt: skip
+            state = self.states[s.req_id] = self._new_state(row, outputs=outputs)
         for g, (table, blocks) in enumerate(zip(state.tables, s.new_blocks, strict=True)):
             del table[s.table_start :]
             table.extend(blocks)
@@ -228,14 +226,18 @@ class Worker:
             if window is not None:
                 # entries wholly before the window of this step's first query are never read;
                 # the scheduler may already have given their blocks to other requests
-                lo = max(0, s.start_pos - window + 1) // self.block_size
+                lo = window_start_block(window, s.start_pos, self.block_size)
                 for i in range(min(state.slid[g], s.table_start), min(lo, len(table))):
                     table[i] = NULL_BLOCK
                 state.slid[g] = lo
         return state.tables
 
-    def _empty_tables(self) -> list[list[int]]:
-        return [[] for _ in self.kv_groups]
+    def _new_state(self, row: SamplingRow, prompt_scored: int = 0,
+                   outputs: list[int] | None = None) -> _SeqState:  # fmt: skip
+        """A request's state with an empty block table per KV group."""
+        groups = len(self.kv_groups)
+        outputs = outputs if outputs is not None else []
+        return _SeqState([[] for _ in range(groups)], row, prompt_scored, outputs, [0] * groups)
 
     def _prompt_logprobs(self, seqs: list[ScheduledSeq], hidden: torch.Tensor, ends: list[int],
                          output: StepOutput) -> None:  # fmt: skip

@@ -12,7 +12,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.plan import NULL_BLOCK
 from pagedserve.worker.kv_pool import KVPool
 from pagedserve.worker.loader import load_model, load_tokenizer
 from tests.cluster.test_beam_search import count_plans
@@ -89,9 +88,9 @@ def count_slides(llm: LLM) -> dict[str, int]:
     slide = bm._slide
 
     def counting(seq, position):
-        before = sum(b != NULL_BLOCK for t in seq.tables for b in t)
+        before = sum(len(bm.held(t)) for t in seq.tables)
         slide(seq, position)
-        seen["blocks"] += before - sum(b != NULL_BLOCK for t in seq.tables for b in t)
+        seen["blocks"] += before - sum(len(bm.held(t)) for t in seq.tables)
 
     bm._slide = counting
     return seen
@@ -105,8 +104,7 @@ def track_blocks(llm: LLM) -> list[list[int]]:
 
     def tracking(req_id, *args, **kwargs):
         out = allocate(req_id, *args, **kwargs)
-        peak.append([sum(b != NULL_BLOCK for b in t) if bm.num_reserved else len(t)
-                     for t in bm.block_tables(req_id)])  # fmt: skip
+        peak.append([len(bm.held(t)) for t in bm.block_tables(req_id)])
         return out
 
     bm.allocate = tracking
