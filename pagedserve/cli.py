@@ -11,6 +11,7 @@ left out takes the dataclass default.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -111,6 +112,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         default=os.environ.get("PAGEDSERVE_API_KEY"),
         help="require 'Authorization: Bearer KEY' (default: $PAGEDSERVE_API_KEY)",
+    )
+    serve.add_argument(
+        "--admin-token",
+        default=os.environ.get("PAGEDSERVE_ADMIN_TOKEN"),
+        help="the token of /dashboard and /admin/api (default: $PAGEDSERVE_ADMIN_TOKEN, else one is "
+        "generated and printed at start-up)",
+    )
+    serve.add_argument(
+        "--replica-resources",
+        type=json.loads,
+        default=None,
+        help='Ray custom resources each engine replica reserves, as JSON: \'{"pagedserve_engine": 1}\' '
+        "places replicas only on nodes started with that resource",
     )
     serve.add_argument(
         "--address", default=None, help="join this Ray cluster (default: start a private local Ray)"

@@ -165,7 +165,10 @@ class ServeConfig:
     num_replicas: int = 1
     routing: str = "prefix"
     api_key: str | None = None
-    admin_token: str | None = None
+    admin_token: str | None = None  # the dashboard's and /admin/api's token (None: one is generated)
+    # Ray custom resources each engine replica reserves, e.g. {"pagedserve_engine": 1}: replicas
+    # then go only to nodes started with that resource (one per node with a count of 1)
+    replica_resources: dict[str, float] | None = None
     address: str | None = None  # RAY_ADDRESS to join; None starts a private local Ray
     max_waiting_requests: int = 256  # per replica; past it, 503 with Retry-After
     # Request limits at the HTTP front (400 past them; the defaults are the engine's own caps)
@@ -186,6 +189,9 @@ class ServeConfig:
         _require(self.body_timeout_s > 0, "--body-timeout-s must be positive")
         _require(1 <= self.max_n <= 128, "--max-n must be in 1..128")
         _require(0 <= self.max_logprobs <= 20, "--max-logprobs must be in 0..20")
+        for name, amount in (self.replica_resources or {}).items():
+            _require(isinstance(name, str) and name and float(amount) > 0,
+                     f"--replica-resources: {name!r} needs a positive amount")  # fmt: skip
         for name in ("max_output_tokens", "max_prompt_tokens"):
             value = getattr(self, name)
             _require(value is None or value >= 1, f"--{name.replace('_', '-')} must be >= 1")

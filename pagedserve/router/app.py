@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import uuid
@@ -336,6 +337,9 @@ def engine_resources(cfg: ServeConfig, env: dict[str, str]) -> dict[str, Any]:
     """
     parallel = cfg.engine.parallel
     actor: dict[str, Any] = {"num_cpus": ENGINE_NUM_CPUS, "runtime_env": {"env_vars": env}}
+    custom = dict(cfg.replica_resources or {})
+    if custom:
+        actor["resources"] = custom
     if not parallel.uses_ray:
         return {"ray_actor_options": {**actor, "num_gpus": 1 if _cluster_gpus() > 0 else 0}}
     tp = parallel.tensor_parallel_size
@@ -345,7 +349,7 @@ def engine_resources(cfg: ServeConfig, env: dict[str, str]) -> dict[str, Any]:
     else:
         other = INGRESS_NUM_CPUS + cfg.num_replicas * ENGINE_TP_NUM_CPUS
         rank_bundle = {"CPU": cpus_per_rank(cfg.num_replicas * tp, other)}
-    bundles = [{"CPU": ENGINE_TP_NUM_CPUS}, *(dict(rank_bundle) for _ in range(tp))]
+    bundles = [{"CPU": ENGINE_TP_NUM_CPUS, **custom}, *(dict(rank_bundle) for _ in range(tp))]
     options["placement_group_bundles"] = bundles
     options["placement_group_strategy"] = parallel.placement_group_strategy
     return options
@@ -424,6 +428,11 @@ def _coerce(name: str, annotation: Any, value: Any) -> Any:
     if "None" in kinds and value.lower() in ("none", "null", ""):
         return None
     try:
+        if any(kind.startswith("dict") for kind in kinds):
+            parsed = json.loads(value)
+            if not isinstance(parsed, dict):
+                raise ValueError(value)
+            return parsed
         if "bool" in kinds:
             if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
                 raise ValueError(value)
@@ -432,7 +441,7 @@ def _coerce(name: str, annotation: Any, value: Any) -> Any:
             return int(value)
         if "float" in kinds:
             return float(value)
-    except ValueError:
+    except ValueError:  # json.JSONDecodeError included
         raise ConfigError(f"{name} must be {annotation}, got {value!r}") from None
     return value
 
