@@ -203,6 +203,11 @@ def serve_main(args: argparse.Namespace) -> int:
     except UnsupportedModel as exc:
         raise ConfigError(str(exc)) from exc
     check_tensor_parallel(hf_config, config.engine.parallel.tensor_parallel_size)
+    generated = not config.admin_token
+    if generated:
+        from pagedserve.router.dashboard import new_admin_token
+
+        config.admin_token = new_admin_token()
     signal.signal(signal.SIGTERM, _interrupt)
     temp_dir = None
     try:
@@ -211,6 +216,9 @@ def serve_main(args: argparse.Namespace) -> int:
         deploy(config)
         print(f"pagedserve: serving {served_model_name(config.engine)!r} at http://{config.host}:{config.port}/v1"
               " (Ctrl-C to stop)", flush=True)  # fmt: skip
+        print(f"pagedserve: admin dashboard at http://{config.host}:{config.port}/dashboard"
+              + (f" (admin token: {config.admin_token})" if generated else " (token: --admin-token)"),
+              flush=True)  # fmt: skip
         threading.Event().wait()
     except KeyboardInterrupt:
         print("pagedserve: shutting down", flush=True)

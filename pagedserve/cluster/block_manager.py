@@ -297,6 +297,22 @@ class BlockManager:
             host_free_blocks=len(self.host_free),
         )
 
+    def block_states(self) -> str:
+        """Each physical block's state, one character per block id: "." free, "c" cached-free
+        (no holder, content kept for prefix hits), "u" in use (one holder), "s" shared (several
+        holders: prefix sharing, forks), "r" reserved (the null block). For the admin dashboard."""
+        states = []
+        for block in self.blocks:
+            if block.block_id < self.num_reserved:
+                states.append("r")
+            elif block.ref_count > 1:
+                states.append("s")
+            elif block.ref_count == 1:
+                states.append("u")
+            else:
+                states.append("c" if block.block_hash is not None else ".")
+        return "".join(states)
+
     # ---- prefix cache --------------------------------------------------------------------
 
     def match_prefix(self, token_ids: Sequence[int], extra_keys: Sequence[Any] = ()) -> PrefixHit:

@@ -7,12 +7,13 @@ loop in a background thread and streams each request's outputs to an asyncio con
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -546,6 +547,23 @@ class AsyncEngine:
         self._commands.put(("abort", request_id))
         self._wake.set()
 
+    async def call_in_loop(self, fn: Callable[[Engine], Any]) -> Any:
+        """``fn(engine)`` run on the loop thread between two steps (the engine is that thread's
+        alone); its result, or its exception raised here."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", fn, future))
+        self._wake.set()
+        return await asyncio.wrap_future(future)
+
+    async def block_states(self) -> str:
+        """The KV pool's blocks as ``BlockManager.block_states`` describes them, as of now."""
+        return await self.call_in_loop(lambda engine: engine.block_manager.block_states())
+
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached-free block's content (their "removed" events follow, so routers
+        forget them too); returns how many blocks were dropped. Blocks in use stay."""
+        return await self.call_in_loop(lambda engine: engine.block_manager.reset_prefix_cache())
+
     def stats(self) -> EngineStats:
         """The figures as of the last step (read without stopping the loop)."""
         return self._stats
@@ -565,6 +583,9 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=30)
+        for cmd in self._queued_commands():
+            if cmd[0] == "call":
+                cmd[2].set_exception(RuntimeError("the engine has shut down"))
         self.engine.shutdown()
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
@@ -591,6 +612,12 @@ class AsyncEngine:
                     self.engine.add_request(request_id, prompt, params, **kwargs)
                 except Exception as exc:  # reported to the caller, never kills the loop
                     self._deliver(request_id, exc)
+            elif cmd[0] == "call":
+                _, fn, future = cmd
+                try:
+                    future.set_result(fn(self.engine))
+                except Exception as exc:
+                    future.set_exception(exc)
             else:
                 out = self.engine.abort_request(cmd[1])
                 if out is not None:
@@ -648,6 +675,8 @@ class AsyncEngine:
         for cmd in self._queued_commands():
             if cmd[0] == "add":
                 self._deliver(cmd[1], RankFailure(message))
+            elif cmd[0] == "call":
+                cmd[2].set_exception(RankFailure(message))
 
     def _publish(self) -> None:
         self._stats = self.engine.stats()

@@ -66,6 +66,7 @@ class RayExecutor:
         self.use_gpu = self.pg.bundle_specs[self.bundle_offset].get("GPU", 0) > 0
         self.ranks: list[ray.actor.ActorHandle] = []
         self.pids: list[int] = []  # of the rank processes (all on this machine in tests)
+        self.node_ids: list[str] = []  # the Ray node of each rank
         self._transport = None
         self._local = True  # every rank on this process's node
         self._pool_args: tuple[int, int, int, bool] | None = None
@@ -98,6 +99,7 @@ class RayExecutor:
         ]
         where = ray.get([r.placement.remote() for r in self.ranks], timeout=START_TIMEOUT_S)
         self.pids = ray.get([r.pid.remote() for r in self.ranks], timeout=START_TIMEOUT_S)
+        self.node_ids = [node for node, _, _ in where]
         one_node = len({node for node, _, _ in where}) == 1
         self._local = one_node and where[0][0] == ray.get_runtime_context().get_node_id()
         host = "127.0.0.1" if one_node else where[0][1]

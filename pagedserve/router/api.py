@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 << 20  # ~1M prompt tokens as JSON ids; far beyond any context we serve
 BODY_TIMEOUT_S = 30.0  # a request body trickled slower than this (slow-loris) gets a 408
 OPEN_PATHS = ("/health", "/metrics")  # answered without an API key, as vLLM does
+ADMIN_PATHS = ("/dashboard", "/admin/")  # guarded by the admin token instead (router/dashboard)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,8 +105,10 @@ class EngineClient(Protocol):
 
 
 def build_api(model: ModelInfo, tokenizer: PreTrainedTokenizerBase, client: EngineClient,
-              metrics: IngressMetrics, *, api_key: str | None = None, limits: Limits = Limits()) -> FastAPI:
-    """The FastAPI app of the OpenAI-compatible API over ``client``."""
+              metrics: IngressMetrics, *, api_key: str | None = None, limits: Limits = Limits(),
+              dashboard: tuple[Any, str] | None = None) -> FastAPI:  # fmt: skip
+    """The FastAPI app of the OpenAI-compatible API over ``client``; with ``dashboard`` (a
+    ``DashboardService`` and the admin token) also the admin dashboard and its API."""
     server = OpenAIServer(model, tokenizer, client, metrics, limits)
     app = FastAPI(title="pagedserve", version="0.1.0")
     app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=limits.max_body_bytes,
@@ -170,6 +173,10 @@ def build_api(model: ModelInfo, tokenizer: PreTrainedTokenizerBase, client: Engi
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         return server.detokenize(body)
 
+    if dashboard is not None:
+        from pagedserve.router.dashboard import install_dashboard
+
+        install_dashboard(app, *dashboard)
     return app
 
 
@@ -208,7 +215,9 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(headers):
+        path = scope["path"]
+        if (self.api_key is not None and path not in OPEN_PATHS and not path.startswith(ADMIN_PATHS)
+                and not self._authorized(headers)):  # fmt: skip
             exc = OpenAIError(401, "missing or incorrect API key (send Authorization: Bearer <key>)",
                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
             await error_response(exc)(scope, receive, send)

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import logging
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -43,6 +44,7 @@ from pagedserve.config import ConfigError, EngineConfig, ServeConfig
 from pagedserve.router.api import Limits, ModelInfo, build_api
 from pagedserve.router.metrics import IngressMetrics
 from pagedserve.router.protocol import RETRY_AFTER_S, OpenAIError, OutputDeltas, overloaded
+from pagedserve.router.telemetry import LatencyWindow, RateWindow, block_map
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +52,15 @@ APP_NAME = "pagedserve"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the name the engine gives model=None
 PUBLISH_PERIOD_S = 0.1
 COMPACT_EVENTS_AT = 10_000  # unpublished KV events (the state actor is unreachable) before compacting
+BLOCK_MAP_EVERY = 10  # publishes between two block maps (~1 s)
+MAX_LISTED_REQUESTS = 200  # requests in flight a replica lists for the dashboard
 ROUTING_STATS_PERIOD_S = 0.5
 HEALTH_TIMEOUT_S = 10.0
-RETRIES_ON_RANK_FAILURE = 1  # a request that streamed nothing yet is sent again once
+# Replies of a replica that refused a request which streamed nothing yet: their error code -> how
+# often the request is sent again (a lost tensor-parallel rank: once; a draining replica: until
+# the routers hear of the drain, within a second)
+RETRIES_ON_REFUSAL = {"engine_restarting": 1, "replica_draining": 10}
+DRAIN_RETRY_BACKOFF_S = 0.1
 # A request whose replica died (process killed, node lost) before it streamed anything is sent
 # again, after a pause that lets Serve's routers learn the replica is gone.
 RETRIES_ON_REPLICA_LOSS = 3
@@ -103,6 +111,13 @@ class EngineDeployment:
         self._inflight = 0
         self._unpublished: list = []
         self._state_epoch: str | None = None  # of the cluster state log we publish to
+        # for the admin dashboard: requests in flight, latency windows, drain mark, command results
+        self._requests: dict[str, dict[str, Any]] = {}
+        self._ttft, self._itl = LatencyWindow(), LatencyWindow()
+        self._output_rate = RateWindow()
+        self._draining = False
+        self._results: dict[str, Any] = {}
+        self._block_map: dict[str, Any] | None = None
         self._publisher = asyncio.get_running_loop().create_task(self._publish_forever())
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -117,20 +132,38 @@ class EngineDeployment:
         from pagedserve.cluster.executor import RankFailure
         from pagedserve.sampling import SamplingParams, SamplingParamsError
 
+        if self._draining:  # the router had not heard yet: the ingress sends it elsewhere
+            yield OpenAIError(503, f"engine replica {self.replica_id} is draining", code="replica_draining",
+                              headers={"Retry-After": str(RETRY_AFTER_S)}).to_dict()  # fmt: skip
+            return
         if self._num_waiting() >= self.max_waiting_requests:
             yield overloaded(f"engine replica {self.replica_id} has {self.max_waiting_requests} requests "
                              "waiting; retry later").to_dict()  # fmt: skip
             return
         self._inflight += 1
         deltas = OutputDeltas()
+        request_id = request["request_id"]
+        started = time.monotonic()
+        seen = {"prompt_tokens": len(request["prompt_token_ids"]), "output_tokens": 0,
+                "started": time.time()}  # fmt: skip
+        self._requests[request_id] = seen
+        last = started
         try:
             params = SamplingParams.from_dict(request["params"])
             outputs = self.engine.generate(
-                {"prompt_token_ids": request["prompt_token_ids"]}, params, request["request_id"],
+                {"prompt_token_ids": request["prompt_token_ids"]}, params, request_id,
                 priority=request.get("priority", 0), cache_salt=request.get("cache_salt"),
             )  # fmt: skip
             async with aclosing(outputs):
                 async for out in outputs:
+                    tokens = sum(len(o.token_ids) for o in out.outputs)
+                    if tokens > seen["output_tokens"]:
+                        now = time.monotonic()
+                        if seen["output_tokens"] == 0:
+                            self._ttft.add(now - started, now)
+                        else:  # the gap, per token when one delta carries several
+                            self._itl.add((now - last) / (tokens - seen["output_tokens"]), now)
+                        seen["output_tokens"], last = tokens, now
                     yield deltas.delta(out)
         except SamplingParamsError as exc:
             yield OpenAIError(400, str(exc), param=exc.param).to_dict()
@@ -146,6 +179,7 @@ class EngineDeployment:
             yield OpenAIError(500, f"engine error: {exc}", code="internal_error").to_dict()
         finally:
             self._inflight -= 1
+            self._requests.pop(request_id, None)
 
     def _num_waiting(self) -> int:
         # The engine's figure is as of its last step; requests sent since then wait too.
@@ -156,7 +190,7 @@ class EngineDeployment:
         """Serve's per-replica routing stats (RunningReplica.routing_stats in the router)."""
         stats = self.engine.stats()
         return {"num_running": stats.num_running, "num_waiting": stats.num_waiting,
-                "kv_cache_usage": stats.kv_cache_usage}  # fmt: skip
+                "kv_cache_usage": stats.kv_cache_usage, "draining": self._draining}  # fmt: skip
 
     async def health(self) -> dict[str, Any]:
         """This replica's load, for the ingress's /health (proves a replica answers)."""
@@ -175,22 +209,81 @@ class EngineDeployment:
             "beam_block_steps_physical": s.beam_block_steps_physical,
             "beam_block_steps_logical": s.beam_block_steps_logical,
             "node_id": self._node_id, "pid": os.getpid(),  # where it runs, for operators and tests
+            **self._dashboard_stats(s),
         }  # fmt: skip
+
+    def _dashboard_stats(self, s: Any) -> dict[str, Any]:
+        """What the admin dashboard shows beyond the routers' figures (see router/dashboard)."""
+        now = time.monotonic()
+        ttft, itl = self._ttft.percentiles(now=now), self._itl.percentiles(now=now)
+        wall = time.time()
+        requests = [
+            {"request_id": rid, "prompt_tokens": r["prompt_tokens"], "output_tokens": r["output_tokens"],
+             "age_s": round(wall - r["started"], 3)}
+            for rid, r in list(self._requests.items())[:MAX_LISTED_REQUESTS]
+        ]  # fmt: skip
+        executor = self.engine.engine.executor
+        ranks = [{"rank": rank, "node_id": node, "pid": pid}
+                 for rank, (node, pid) in enumerate(zip(getattr(executor, "node_ids", []),
+                                                        getattr(executor, "pids", [])))]  # fmt: skip
+        return {
+            "num_swapped": s.num_swapped, "block_size": s.block_size, "draining": self._draining,
+            "output_tokens_per_s": self._output_rate.rate(s.generation_tokens, now),
+            "ttft_p50_s": ttft[0], "ttft_p95_s": ttft[1], "itl_p50_s": itl[0], "itl_p95_s": itl[1],
+            "requests": requests, "num_requests": len(self._requests), "ranks": ranks,
+            "block_map": self._block_map,
+        }  # fmt: skip
+
+    async def _run_command(self, command: dict[str, Any]) -> dict[str, Any]:
+        """One admin command from the state actor; its result goes back with the next publish."""
+        kind = command.get("kind")
+        if kind == "reset_prefix_cache":
+            dropped = await self.engine.reset_prefix_cache()
+            logger.info("admin: prefix cache reset, %d cached blocks dropped", dropped)
+            return {"ok": True, "dropped_blocks": dropped}
+        if kind == "abort":
+            request_id = str(command.get("request_id"))
+            if request_id not in self._requests:
+                return {"ok": False, "error": f"no request {request_id!r} in flight on this replica"}
+            self.engine.abort(request_id)
+            logger.info("admin: request %s aborted", request_id)
+            return {"ok": True, "aborted": True}
+        return {"ok": False, "error": f"unknown command {kind!r}"}
 
     async def _publish_forever(self) -> None:
         from pagedserve.router.state import publish_replica_state
 
         failures = 0
+        rounds = 0
         while True:
+            if rounds % BLOCK_MAP_EVERY == 0:
+                try:
+                    self._block_map = block_map(await self.engine.block_states())
+                except Exception:  # a rebuilding tensor-parallel group: the map comes next time
+                    logger.debug("block map unavailable", exc_info=True)
+            rounds += 1
             # Events stay queued until a publish succeeds: the routers' view of this cache must
             # not silently miss a stored or removed block.
             self._unpublished.extend(self.engine.take_kv_events())
             if len(self._unpublished) > COMPACT_EVENTS_AT:
                 self._unpublished = compact_kv_events(self._unpublished)
             try:
-                epoch = await publish_replica_state(self.replica_id, self._unpublished, self._stats_dict())
+                results = self._results
+                reply = await publish_replica_state(self.replica_id, self._unpublished, self._stats_dict(),
+                                                    results)  # fmt: skip
                 self._unpublished = []
+                if results is self._results:
+                    self._results = {}
                 failures = 0
+                epoch = reply["epoch"]
+                if reply["draining"] != self._draining:
+                    logger.info("admin: replica %s", "draining" if reply["draining"] else "undrained")
+                    self._draining = reply["draining"]
+                for command in reply["commands"]:
+                    try:
+                        self._results[command["id"]] = await self._run_command(command)
+                    except Exception as exc:
+                        self._results[command["id"]] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
                 if epoch != self._state_epoch:
                     if self._state_epoch is not None:
                         # the state actor was lost and made afresh: it knows none of our blocks
@@ -220,7 +313,8 @@ class OpenAIIngress:
     """The HTTP entry: the OpenAI API (``router/api.py``) over a handle to the engine replicas."""
 
     def __init__(self, engine: DeploymentHandle, engine_flags: dict[str, Any], api_key: str | None,
-                 limits: dict[str, Any] | None = None) -> None:  # fmt: skip
+                 limits: dict[str, Any] | None = None, admin_token: str | None = None,
+                 routing: str = "prefix") -> None:  # fmt: skip
         from pagedserve.worker.loader import load_config, load_tokenizer, resolve_model
 
         config = EngineConfig.from_flags(**engine_flags)
@@ -238,21 +332,31 @@ class OpenAIIngress:
         self._streaming = engine.options(stream=True)
         self._api_key = api_key
         self._limits = Limits(**(limits or {}))
+        self._admin_token = admin_token
+        self.dashboard = None
+        if admin_token:
+            from pagedserve.router.dashboard import DashboardService
+
+            self.dashboard = DashboardService(self.model.name, routing)
+            self.dashboard.start()  # the charts hold the minutes before anyone opens the page
 
     def __serve_build_asgi_app__(self) -> FastAPI:
+        dashboard = (self.dashboard, self._admin_token) if self.dashboard is not None else None
         return build_api(self.model, self.tokenizer, self, self.metrics, api_key=self._api_key,
-                         limits=self._limits)  # fmt: skip
+                         limits=self._limits, dashboard=dashboard)  # fmt: skip
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """EngineClient.generate over the handle; closing early cancels the call on the replica.
 
         A request whose replica lost a tensor-parallel rank before it streamed anything is sent
-        once more (the router may pick another replica; the same one serves it once rebuilt).
+        once more (the router may pick another replica; the same one serves it once rebuilt); one
+        refused by a draining replica is sent again (the routers pass over it once they hear).
         One whose replica died before it streamed anything is sent again (up to
         RETRIES_ON_REPLICA_LOSS times, to a live replica once Serve has noticed); one that had
         streamed tokens ends with a 503 ``engine_lost`` error (in the stream when it has begun).
         """
-        rank_retries = loss_retries = 0
+        loss_retries = 0
+        refusals: dict[str, int] = {}  # error code -> times a replica refused the request so
         while True:
             _own_internal_request_id()
             response = self._streaming.generate.remote(request)
@@ -261,10 +365,13 @@ class OpenAIIngress:
             try:
                 async for delta in response:
                     finished = "error" in delta or delta["finished"]
-                    if not streamed and _rank_failure(delta) and rank_retries < RETRIES_ON_RANK_FAILURE:
-                        rank_retries += 1
+                    code = delta["error"].get("code") if "error" in delta else None
+                    if not streamed and refusals.get(code, 0) < RETRIES_ON_REFUSAL.get(code, 0):
+                        refusals[code] = refusals.get(code, 0) + 1
                         retry = True
                         why = delta["error"]["message"]
+                        if code == "replica_draining":  # until the routers hear of the drain
+                            await asyncio.sleep(DRAIN_RETRY_BACKOFF_S)
                         break
                     streamed = True
                     yield delta
@@ -301,10 +408,6 @@ class OpenAIIngress:
         from pagedserve.router.state import cluster_stats
 
         return self.metrics.render(await cluster_stats(), decision_counts())
-
-
-def _rank_failure(delta: dict[str, Any]) -> bool:
-    return "error" in delta and delta["error"].get("code") == "engine_restarting"
 
 
 def _own_internal_request_id() -> None:
@@ -355,6 +458,17 @@ def engine_resources(cfg: ServeConfig, env: dict[str, str]) -> dict[str, Any]:
     return options
 
 
+def admin_token_of(cfg: ServeConfig) -> str:
+    """The admin token: the configured one, else one made now and logged (``serve deploy``: in
+    the application build's log; ``pagedserve serve`` makes and prints its own first)."""
+    if not cfg.admin_token:
+        from pagedserve.router.dashboard import new_admin_token
+
+        cfg.admin_token = new_admin_token()
+        logger.warning("pagedserve: admin dashboard token (no --admin-token given): %s", cfg.admin_token)
+    return cfg.admin_token
+
+
 def limits_of(cfg: ServeConfig) -> dict[str, Any]:
     """The HTTP front's request limits (api.Limits) from the serve config, as plain values."""
     return {f.name: getattr(cfg, f.name) for f in fields(Limits)}
@@ -367,9 +481,7 @@ def build_app(serve_config: ServeConfig) -> Application:
     cfg = serve_config
     per_replica = cfg.engine.scheduler.max_num_seqs + cfg.max_waiting_requests
     router_options: dict[str, Any] = {"request_routing_stats_period_s": ROUTING_STATS_PERIOD_S}
-    router = router_class_for(cfg.routing)
-    if router is not None:
-        router_options["request_router_class"] = router
+    router_options["request_router_class"] = router_class_for(cfg.routing)
     parallel = cfg.engine.parallel
     # Without GPUs each replica's torch gets its share of this machine's cores (one node);
     # OMP_WAIT_POLICY=PASSIVE keeps idle OpenMP threads from spinning on a shared core.
@@ -390,7 +502,7 @@ def build_app(serve_config: ServeConfig) -> Application:
         # (OpenAI-shaped 503s), not the proxy's.
         max_ongoing_requests=2 * cfg.num_replicas * per_replica + 64,
         ray_actor_options={"num_cpus": INGRESS_NUM_CPUS, "runtime_env": {"env_vars": env}},
-    ).bind(engine, cfg.engine.to_flags(), cfg.api_key, limits_of(cfg))
+    ).bind(engine, cfg.engine.to_flags(), cfg.api_key, limits_of(cfg), admin_token_of(cfg), cfg.routing)
 
 
 def serve_config_from_flags(flags: dict[str, Any]) -> ServeConfig:

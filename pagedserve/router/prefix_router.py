@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pagedserve.router import state
@@ -34,8 +35,10 @@ __all__ = [
     "PrefixAwareRouter",
     "PrefixIndex",
     "PrefixPolicy",
+    "PowerOfTwoRouter",
     "PrefixRouterConfig",
     "RoundRobinRouter",
+    "accepting",
     "decision_counts",
     "router_class_for",
 ]
@@ -265,6 +268,18 @@ class PrefixPolicy:
 # ---- Ray Serve adapters ---------------------------------------------------------------------
 
 
+def accepting(candidates: list[RunningReplica], draining: set[str] | frozenset[str] = frozenset()
+              ) -> list[RunningReplica]:  # fmt: skip
+    """The candidates not draining: by the state log's marks (``draining``) or the replica's own
+    routing stats. All of them when every one drains: the replicas then turn the request away
+    (503 ``replica_draining``) rather than the router hiding it."""
+    open_ = [
+        r for r in candidates
+        if r.replica_id.unique_id not in draining and not (r.routing_stats or {}).get("draining")
+    ]  # fmt: skip
+    return open_ or candidates
+
+
 def request_keys(pending_request: PendingRequest | None) -> tuple[list[int], str | None]:
     """(block hashes, session id) from the ingress's request dict in ``args[0]``; empty if absent."""
     if pending_request is None or not pending_request.args:
@@ -303,12 +318,13 @@ class PrefixAwareRouter(RequestRouter):
         self.sync_from_actor = sync_from_actor
         self.in_flight: defaultdict[str, int] = defaultdict(int)
         self.prefill_blocks: defaultdict[str, int] = defaultdict(int)
-        # internal request id -> (replica chosen, its uncached blocks, block hashes), until routed
-        self._chosen: OrderedDict[str, tuple[str, int, list[int]]] = OrderedDict()
+        # internal request id -> (replica chosen, its uncached blocks, block hashes, outcome), until routed
+        self._chosen: OrderedDict[str, tuple[str, int, list[int], str]] = OrderedDict()
         self._routed: dict[str, tuple[str, int]] = {}  # internal request id -> (replica, blocks) in flight
         self.seq = 0
         self.epoch: str | None = None
         self._stats: dict[str, tuple[dict, float]] = {}  # replica id -> (stats, monotonic time taken)
+        self.draining: set[str] = set()  # replica ids the state log marks draining
         self._sync_task: asyncio.Task | None = None
 
     # -- mirror of the state actor --
@@ -323,6 +339,7 @@ class PrefixAwareRouter(RequestRouter):
         else:
             index.apply_log(reply["entries"])
         self.seq, self.epoch = reply["seq"], reply["epoch"]
+        self.draining = set(reply.get("draining", ()))
         now = time.monotonic()
         ages = reply.get("stats_age_s", {})
         self._stats = {rid: (s, now - ages.get(rid, 0.0)) for rid, s in reply.get("stats", {}).items()}
@@ -375,7 +392,8 @@ class PrefixAwareRouter(RequestRouter):
         if chosen is None:
             return
         rid = replica_id.unique_id
-        choice, blocks, hashes = chosen
+        choice, blocks, hashes, outcome = chosen
+        state.record_routed(self.policy_name, outcome, rid)
         if rid != choice:  # Serve placed it from the second rank: its own match counts
             blocks = len(hashes) - self.policy.index.match(hashes, [rid])[rid]
         self._routed[iid] = (rid, blocks)
@@ -408,13 +426,13 @@ class PrefixAwareRouter(RequestRouter):
         self._ensure_sync()
         if not candidate_replicas:
             return []
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        by_id = {r.replica_id.unique_id: r for r in accepting(candidate_replicas, self.draining)}
         loads = {rid: self.load_of(r) for rid, r in by_id.items()}
         hashes, session_id = request_keys(pending_request)
         choice, outcome = self.policy.choose(hashes, loads, session_id)
         if pending_request is not None:
             uncached = len(hashes) - self.policy.index.match(hashes, [choice])[choice]
-            self._chosen[pending_request.metadata.internal_request_id] = (choice, uncached, hashes)
+            self._chosen[pending_request.metadata.internal_request_id] = (choice, uncached, hashes, outcome)
             if len(self._chosen) > self.max_pending_choices:
                 self._chosen.popitem(last=False)
             ctx = pending_request.routing_context
@@ -440,7 +458,7 @@ class RoundRobinRouter(RequestRouter):
         """One rank per replica, starting at the next in turn."""
         if not candidate_replicas:
             return []
-        ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        ordered = sorted(accepting(candidate_replicas), key=lambda r: r.replica_id.unique_id)
         i = self._next % len(ordered)
         self._next += 1
         if pending_request is not None:
@@ -450,13 +468,41 @@ class RoundRobinRouter(RequestRouter):
             ctx.should_backoff = True
         return [[r] for r in ordered[i:] + ordered[:i]]
 
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        super().on_request_routed(pending_request, replica_id, result)
+        state.record_routed(self.policy_name, "round_robin", replica_id.unique_id)
 
-def router_class_for(policy: str) -> type[RequestRouter] | None:
-    """The request router class for ``--routing``: None means Serve's default power-of-two router."""
-    classes: dict[str, type[RequestRouter] | None] = {
+
+class PowerOfTwoRouter(PowerOfTwoChoicesRequestRouter):
+    """Serve's power-of-two-choices router, passing over draining replicas and counting where it
+    places requests (for the admin dashboard)."""
+
+    policy_name = "pow2"
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        ranks = await super().choose_replicas(candidate_replicas, pending_request)
+        open_ = accepting(candidate_replicas)
+        if len(open_) == len(candidate_replicas):
+            return ranks
+        # Serve's procedure samples from all its replicas: keep its picks that take requests, or
+        # two of those that do when it picked only draining ones
+        ids = {r.replica_id.unique_id for r in open_}
+        kept = [r for rank in ranks for r in rank if r.replica_id.unique_id in ids]
+        return [kept or random.sample(open_, min(2, len(open_)))]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        super().on_request_routed(pending_request, replica_id, result)
+        state.record_routed(self.policy_name, "pow2", replica_id.unique_id)
+
+
+def router_class_for(policy: str) -> type[RequestRouter]:
+    """The request router class for ``--routing``."""
+    classes: dict[str, type[RequestRouter]] = {
         "prefix": PrefixAwareRouter,
         "round_robin": RoundRobinRouter,
-        "pow2": None,
+        "pow2": PowerOfTwoRouter,
     }
     if policy not in classes:
         raise ValueError(f"unknown routing policy {policy!r}; expected one of {sorted(classes)}")

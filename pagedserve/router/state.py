@@ -30,6 +30,9 @@ STATE_ACTOR_NAME = "pagedserve_replica_state"
 # killed, its node lost) and is dropped, so that its blocks and stats do not outlive it.
 STALE_REPLICA_S = 10.0
 
+# How long a command's result waits for the admin API to read it.
+RESULTS_KEPT_S = 60.0
+
 # A log entry is [seq, replica_id, kind, hashes]; kind is "stored" | "removed" (KV events), "reset"
 # (the replica restarted: it holds nothing) or "drop" (the replica is gone).
 Entry = list
@@ -61,6 +64,12 @@ class ReplicaStateLog:
         self._stats: dict[str, tuple[dict, float]] = {}  # replica id -> (stats, received at)
         self._joined: dict[str, int] = {}  # replica id -> its join number
         self._seen: dict[str, float] = {}  # replica id -> when it last published
+        # admin control: replicas told to take nothing new, and commands each replica takes with
+        # its next publish and answers (acks) with the one after
+        self._draining: set[str] = set()
+        self._commands: dict[str, list[dict]] = {}
+        self._results: dict[str, tuple[Any, float]] = {}  # command id -> (its result, when)
+        self._next_command = 0
 
     def _append(self, replica_id: str, kind: str, hashes: list[int]) -> None:
         self._seq += 1
@@ -80,12 +89,16 @@ class ReplicaStateLog:
         self._blocks[replica_id] = set()
         self._append(replica_id, "reset", [])
 
-    def publish(self, replica_id: str, token: str, events: Sequence, stats: dict | None) -> str:
-        """Apply one replica's KV events (in its order) and keep its stats as its latest.
+    def publish(self, replica_id: str, token: str, events: Sequence, stats: dict | None,
+                results: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+        """Apply one replica's KV events (in its order), keep its stats as its latest, and take its
+        results of the commands it ran since its last publish.
 
-        Returns this log's epoch and the replica's join number, as one string: a replica that sees
-        it change (the actor was lost and made afresh, or the replica was dropped as stale and has
-        rejoined) sends everything its cache holds again (``AsyncEngine.request_kv_snapshot``).
+        Returns {"epoch", "draining", "commands"}. "epoch" is this log's epoch and the replica's
+        join number, as one string: a replica that sees it change (the actor was lost and made
+        afresh, or the replica was dropped as stale and has rejoined) sends everything its cache
+        holds again (``AsyncEngine.request_kv_snapshot``). "draining": whether the replica must
+        take no new requests. "commands": admin commands for it to run ({"id", "kind", ...}).
         """
         if replica_id not in self._joined:
             self._joins += 1
@@ -106,8 +119,44 @@ class ReplicaStateLog:
             self._append(replica_id, kind, hashes)
         if stats is not None:
             self._stats[replica_id] = (dict(stats), self._clock())
-        self._seen[replica_id] = self._clock()
-        return f"{self.epoch}/{self._joined[replica_id]}"
+        now = self._clock()
+        self._seen[replica_id] = now
+        for command_id, result in (results or {}).items():
+            self._results[command_id] = (result, now)
+        for command_id in [c for c, (_, at) in self._results.items() if at < now - RESULTS_KEPT_S]:
+            del self._results[command_id]
+        return {"epoch": f"{self.epoch}/{self._joined[replica_id]}",
+                "draining": replica_id in self._draining,
+                "commands": self._commands.pop(replica_id, [])}  # fmt: skip
+
+    # -- admin control --
+
+    def send_command(self, replica_id: str, kind: str, args: dict[str, Any] | None = None) -> str | None:
+        """Queue a command for a live replica ("reset_prefix_cache", "abort" with request_id);
+        returns its id (see ``command_result``), or None when no such replica publishes."""
+        if replica_id not in self._seen:
+            return None
+        self._next_command += 1
+        command_id = f"{self.epoch[:8]}-{self._next_command}"
+        self._commands.setdefault(replica_id, []).append({"id": command_id, "kind": kind, **(args or {})})
+        return command_id
+
+    def command_result(self, command_id: str) -> dict[str, Any]:
+        """{"done": bool, "result": what the replica answered} for a command sent earlier."""
+        if command_id in self._results:
+            return {"done": True, "result": self._results[command_id][0]}
+        return {"done": False, "result": None}
+
+    def set_draining(self, replica_id: str, draining: bool) -> bool:
+        """Mark a live replica draining (it finishes what it has and takes nothing new) or not;
+        False when no such replica publishes."""
+        if replica_id not in self._seen:
+            return False
+        if draining:
+            self._draining.add(replica_id)
+        else:
+            self._draining.discard(replica_id)
+        return True
 
     def drop(self, replica_id: str) -> None:
         """Forget a replica that is gone: readers drop it and its blocks, stats no longer list it."""
@@ -117,6 +166,8 @@ class ReplicaStateLog:
         self._stats.pop(replica_id, None)
         self._joined.pop(replica_id, None)
         self._seen.pop(replica_id, None)
+        self._draining.discard(replica_id)
+        self._commands.pop(replica_id, None)
 
     def drop_stale(self) -> list[str]:
         """Drop every replica that has not published for ``stale_after_s``; returns their ids."""
@@ -137,6 +188,7 @@ class ReplicaStateLog:
         out: dict[str, Any] = {
             "epoch": self.epoch,
             "seq": self._seq,
+            "draining": sorted(self._draining),
             "stats": {rid: s for rid, (s, _) in self._stats.items()},
             "stats_age_s": {rid: now - t for rid, (_, t) in self._stats.items()},
         }
@@ -150,6 +202,14 @@ class ReplicaStateLog:
         """Each live replica's last published stats."""
         self.drop_stale()
         return {rid: s for rid, (s, _) in self._stats.items()}
+
+    def replica_view(self) -> dict[str, dict]:
+        """Each live replica's last stats with "stats_age_s" (seconds since it published them)
+        and "draining" (the admin's mark) added: the admin dashboard's view."""
+        self.drop_stale()
+        now = self._clock()
+        return {rid: {**s, "stats_age_s": now - at, "draining": rid in self._draining}
+                for rid, (s, at) in self._stats.items()}  # fmt: skip
 
 
 @ray.remote(num_cpus=0)
@@ -207,9 +267,11 @@ async def _call(method: str, *args: Any) -> Any:
     raise AssertionError("unreachable")
 
 
-async def publish_replica_state(replica_id: str, events: list, stats: dict) -> str:
-    """Send one replica's KV events since its last call (in order) and its current stats; returns
-    the state log's epoch (a new one means the log was lost: resend the whole cache).
+async def publish_replica_state(replica_id: str, events: list, stats: dict,
+                                results: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Send one replica's KV events since its last call (in order), its current stats and the
+    results of the admin commands it ran; returns ``ReplicaStateLog.publish``'s reply (a new epoch
+    means the log was lost: resend the whole cache).
 
     ``events`` is ``BlockManager.take_events()`` / ``AsyncEngine.take_kv_events()``:
     [("stored" | "removed", [block hashes]), ...]; ``stats`` a plain dict with at least
@@ -217,7 +279,7 @@ async def publish_replica_state(replica_id: str, events: list, stats: dict) -> s
     ``serve.get_replica_context().replica_id.unique_id`` as ``replica_id``.
     """
     plain = [[kind, [int(h) for h in hashes]] for kind, hashes in events]
-    return await _call("publish", replica_id, _PROCESS_TOKEN, plain, stats)
+    return await _call("publish", replica_id, _PROCESS_TOKEN, plain, stats, results)
 
 
 async def cluster_stats() -> dict[str, dict]:
@@ -225,9 +287,27 @@ async def cluster_stats() -> dict[str, dict]:
     return await _call("cluster_stats")
 
 
+async def replica_view() -> dict[str, dict]:
+    """``ReplicaStateLog.replica_view``: each live replica's stats, their age and drain mark."""
+    return await _call("replica_view")
+
+
 async def drop_replica(replica_id: str) -> None:
     """Forget a replica that is shutting down: routers stop counting its cache."""
     await _call("drop", replica_id)
+
+
+async def send_command(replica_id: str, kind: str, args: dict[str, Any] | None = None) -> str | None:
+    """Queue an admin command for a replica (``ReplicaStateLog.send_command``)."""
+    return await _call("send_command", replica_id, kind, args)
+
+
+async def command_result(command_id: str) -> dict[str, Any]:
+    return await _call("command_result", command_id)
+
+
+async def set_draining(replica_id: str, draining: bool) -> bool:
+    return await _call("set_draining", replica_id, draining)
 
 
 async def poll_replica_state(since: int, epoch: str | None) -> dict[str, Any]:
@@ -238,6 +318,7 @@ async def poll_replica_state(since: int, epoch: str | None) -> dict[str, Any]:
 # ---- decision counters (per process) --------------------------------------------------------
 
 _decisions: Counter[tuple[str, str]] = Counter()
+_routed: Counter[tuple[str, str, str]] = Counter()
 _decisions_lock = threading.Lock()  # routers may run on their own event-loop thread
 
 
@@ -245,6 +326,19 @@ def record_decision(policy: str, outcome: str) -> None:
     """Count one routing decision of ``policy`` that ended in ``outcome``."""
     with _decisions_lock:
         _decisions[(policy, outcome)] += 1
+
+
+def record_routed(policy: str, outcome: str, replica_id: str) -> None:
+    """Count one request placed on ``replica_id`` by a decision of ``policy`` that ended in
+    ``outcome`` (Serve may place it on another replica than the policy's first choice)."""
+    with _decisions_lock:
+        _routed[(policy, outcome, replica_id)] += 1
+
+
+def routed_counts() -> dict[tuple[str, str, str], int]:
+    """Cumulative requests placed in this process: (policy, outcome, replica id) -> count."""
+    with _decisions_lock:
+        return dict(_routed)
 
 
 def decision_counts() -> dict[tuple[str, str], int]:

@@ -79,3 +79,33 @@ def test_errors_reach_the_caller_and_the_loop_survives(engine):
         assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
 
     asyncio.run(main())
+
+
+def test_block_states_and_prefix_cache_reset_run_between_steps(engine):
+    """The dashboard's block map is the pool as the block manager holds it: while two requests
+    share a prompt its full blocks are shared, after they finish cached-free; a reset drops the
+    cached content (and says how many blocks) without touching anything in use."""
+
+    async def main():
+        await _wait_idle(engine)
+        await engine.reset_prefix_cache()
+        # 5 full blocks of 8: the second request shares the first 4 (its last token is computed)
+        prompt = {"prompt_token_ids": list(range(100, 140))}
+        params = SamplingParams(max_tokens=30, ignore_eos=True)
+        first = engine.generate(prompt, params, request_id="share-a")
+        await anext(first)
+        second = engine.generate(prompt, params, request_id="share-b")
+        await anext(second)
+        states = await engine.block_states()
+        assert len(states) == 64 and states.count("s") == 4 and set(states) <= set(".cus")
+        async for _ in first:
+            pass
+        async for _ in second:
+            pass
+        await _wait_idle(engine)
+        states = await engine.block_states()
+        assert "u" not in states and "s" not in states and states.count("c") >= 5
+        assert await engine.reset_prefix_cache() == states.count("c")
+        assert set(await engine.block_states()) == {"."}
+
+    asyncio.run(main())

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import pytest
 
 API_KEY = "test-key"
+ADMIN_TOKEN = "test-admin-token"
 MAX_MODEL_LEN = 512
 MAX_NUM_SEQS = 4
 MAX_WAITING_REQUESTS = 2
@@ -55,6 +56,7 @@ class Server:
     api_key: str
     model: str
     max_model_len: int
+    admin_token: str = ADMIN_TOKEN
 
 
 def free_port() -> int:
@@ -80,6 +82,7 @@ def server(ray_session: None) -> Iterator[Server]:
         num_replicas=NUM_REPLICAS,
         routing="prefix",
         api_key=API_KEY,
+        admin_token=ADMIN_TOKEN,
         max_waiting_requests=MAX_WAITING_REQUESTS,
         engine=engine,
     )

@@ -15,6 +15,7 @@ from pagedserve.cluster.hashing import hash_blocks
 from pagedserve.router import state
 from pagedserve.router.prefix_router import (
     Load,
+    PowerOfTwoRouter,
     PrefixAwareRouter,
     PrefixIndex,
     PrefixPolicy,
@@ -268,9 +269,36 @@ def test_state_log_drops_a_silent_replica_and_a_returning_one_rejoins() -> None:
     reply = log.poll(0, log.epoch)
     assert set(reply["stats"]) == {"r1"} and set(log.cluster_stats()) == {"r1"}
     assert [e[1:3] for e in reply["entries"]][-1] == ["r0", "drop"]
-    again = log.publish("r0", "t", [("stored", [9])], {"num_running": 0})
-    assert again != first and again.startswith(log.epoch)  # the replica resends its whole cache
+    again = log.publish("r0", "t", [("stored", [9])], {"num_running": 0})["epoch"]
+    assert again != first["epoch"] and again.startswith(log.epoch)  # the replica resends its whole cache
     assert sorted(log.poll(0, "another-epoch")["snapshot"]["r0"]) == [9]
+
+
+def test_state_log_carries_admin_commands_and_drain_marks_to_live_replicas() -> None:
+    """A command reaches its replica once, with its next publish; the replica's result comes back
+    with the publish after; a drain mark is in every reply until lifted; dead replicas get none."""
+    log = ReplicaStateLog()
+    log.publish("r0", "t", [], {"num_running": 0})
+    log.publish("r1", "t", [], {"num_running": 0})
+    assert log.send_command("gone", "reset_prefix_cache") is None
+    assert log.set_draining("gone", True) is False
+    cid = log.send_command("r0", "abort", {"request_id": "req-1"})
+    assert log.command_result(cid) == {"done": False, "result": None}
+    assert log.publish("r1", "t", [], None)["commands"] == []
+    reply = log.publish("r0", "t", [], None)
+    assert reply["commands"] == [{"id": cid, "kind": "abort", "request_id": "req-1"}]
+    assert log.publish("r0", "t", [], None)["commands"] == []  # handed out once
+    log.publish("r0", "t", [], None, {cid: {"aborted": True}})
+    assert log.command_result(cid) == {"done": True, "result": {"aborted": True}}
+    assert log.set_draining("r1", True) is True
+    assert log.publish("r1", "t", [], None)["draining"] is True
+    assert log.publish("r0", "t", [], None)["draining"] is False
+    assert log.poll(0, log.epoch)["draining"] == ["r1"]
+    log.set_draining("r1", False)
+    assert log.publish("r1", "t", [], None)["draining"] is False
+    log.set_draining("r1", True)
+    log.drop("r1")  # a replica that is gone is no longer draining
+    assert log.poll(0, log.epoch)["draining"] == []
 
 
 # ---- the Serve adapters -----------------------------------------------------------------------
@@ -315,9 +343,53 @@ def pending(block_hashes: list[int], session_id: str | None = None, n: int = 0) 
 def test_router_class_for_maps_the_routing_flag() -> None:
     assert router_class_for("prefix") is PrefixAwareRouter
     assert router_class_for("round_robin") is RoundRobinRouter
-    assert router_class_for("pow2") is None
+    assert router_class_for("pow2") is PowerOfTwoRouter
     with pytest.raises(ValueError):
         router_class_for("random")
+
+
+@pytest.mark.parametrize("cls", [PrefixAwareRouter, RoundRobinRouter, PowerOfTwoRouter])
+def test_routers_pass_over_draining_replicas_unless_all_drain(cls: type) -> None:
+    """A replica whose routing stats say draining is never ranked while another one takes
+    requests; when every replica drains the routers still rank them (the replicas refuse)."""
+
+    async def scenario() -> None:
+        kwargs = {"sync_from_actor": False, "seed": 0} if cls is PrefixAwareRouter else {}
+        router = make_router(cls, **kwargs)
+        draining = FakeReplica("r0", {"num_running": 0, "draining": True})
+        open_ = FakeReplica("r1", {"num_running": 9})
+        router.update_replicas([draining, open_])
+        for n in range(20):
+            ranks = await router.choose_replicas([draining, open_], pending([], n=n))
+            assert [r.replica_id.unique_id for rank in ranks for r in rank] == ["r1"]
+        both = [FakeReplica("r0", {"draining": True}), FakeReplica("r1", {"draining": True})]
+        ranks = await router.choose_replicas(both, pending([], n=99))
+        assert sorted(r.replica_id.unique_id for rank in ranks for r in rank) == ["r0", "r1"]
+
+    asyncio.run(scenario())
+
+
+def test_prefix_router_takes_drain_marks_from_the_state_log() -> None:
+    """The state log's drain mark reaches the router with its next sync, before the replica's own
+    routing stats (sent every 0.5 s) say so: the replica holding the prompt is passed over."""
+
+    async def scenario() -> None:
+        router = make_router(PrefixAwareRouter, sync_from_actor=False, seed=0)
+        reps = [FakeReplica("r0", {"num_running": 0}), FakeReplica("r1", {"num_running": 0})]
+        router.update_replicas(reps)
+        log = ReplicaStateLog()
+        prompt_hashes = hash_blocks(tokens(3, 4 * BS), BS)
+        log.publish("r0", "t", [("stored", prompt_hashes)], {"num_running": 0})
+        log.publish("r1", "t", [], {"num_running": 0})
+        router.apply_state(log.poll(router.seq, router.epoch))
+        ranks = await router.choose_replicas(reps, pending(prompt_hashes, n=1))
+        assert ranks[0][0].replica_id.unique_id == "r0"
+        log.set_draining("r0", True)
+        router.apply_state(log.poll(router.seq, router.epoch))
+        ranks = await router.choose_replicas(reps, pending(prompt_hashes, n=2))
+        assert [r.replica_id.unique_id for rank in ranks for r in rank] == ["r1"]
+
+    asyncio.run(scenario())
 
 
 def test_prefix_router_follows_events_through_the_state_log() -> None:

@@ -27,7 +27,7 @@ INTERNALS = [
     ("ray.serve.request_router", "ReplicaID", "pagedserve/router/prefix_router.py"),
     ("ray.serve._private.common", "RequestMetadata", "benchmarks/routing.py"),
     ("ray.serve._private.request_router.pow_2_router", "PowerOfTwoChoicesRequestRouter",
-     "benchmarks/routing.py"),
+     "pagedserve/router/prefix_router.py, benchmarks/routing.py"),
 ]
 
 # RequestRouter hooks our routers override or call: name -> the parameters Serve passes
