@@ -53,6 +53,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the name the engine gives model=
 PUBLISH_PERIOD_S = 0.1
 COMPACT_EVENTS_AT = 10_000  # unpublished KV events (the state actor is unreachable) before compacting
 BLOCK_MAP_EVERY = 10  # publishes between two block maps (~1 s)
+BLOCK_MAP_WAIT_S = 0.5  # the longest a publish waits for the engine loop to draw its block map
 MAX_LISTED_REQUESTS = 200  # requests in flight a replica lists for the dashboard
 ROUTING_STATS_PERIOD_S = 0.5
 HEALTH_TIMEOUT_S = 10.0
@@ -117,6 +118,7 @@ class EngineDeployment:
         self._output_rate = RateWindow()
         self._draining = False
         self._results: dict[str, Any] = {}
+        self._commands: set[asyncio.Task] = set()  # admin commands running
         self._block_map: dict[str, Any] | None = None
         self._publisher = asyncio.get_running_loop().create_task(self._publish_forever())
 
@@ -234,8 +236,15 @@ class EngineDeployment:
             "block_map": self._block_map,
         }  # fmt: skip
 
-    async def _run_command(self, command: dict[str, Any]) -> dict[str, Any]:
+    async def _run_command(self, command: dict[str, Any]) -> None:
         """One admin command from the state actor; its result goes back with the next publish."""
+        try:
+            result = await self._command_result(command)
+        except Exception as exc:
+            result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        self._results[command["id"]] = result
+
+    async def _command_result(self, command: dict[str, Any]) -> dict[str, Any]:
         kind = command.get("kind")
         if kind == "reset_prefix_cache":
             dropped = await self.engine.reset_prefix_cache()
@@ -257,9 +266,10 @@ class EngineDeployment:
         rounds = 0
         while True:
             if rounds % BLOCK_MAP_EVERY == 0:
-                try:
-                    self._block_map = block_map(await self.engine.block_states())
-                except Exception:  # a rebuilding tensor-parallel group: the map comes next time
+                try:  # read between two steps; a long step or a rebuilding group must not stall us
+                    self._block_map = block_map(await asyncio.wait_for(self.engine.block_states(),
+                                                                       BLOCK_MAP_WAIT_S))  # fmt: skip
+                except Exception:  # the map comes next time
                     logger.debug("block map unavailable", exc_info=True)
             rounds += 1
             # Events stay queued until a publish succeeds: the routers' view of this cache must
@@ -268,22 +278,21 @@ class EngineDeployment:
             if len(self._unpublished) > COMPACT_EVENTS_AT:
                 self._unpublished = compact_kv_events(self._unpublished)
             try:
-                results = self._results
+                results = dict(self._results)
                 reply = await publish_replica_state(self.replica_id, self._unpublished, self._stats_dict(),
                                                     results)  # fmt: skip
                 self._unpublished = []
-                if results is self._results:
-                    self._results = {}
+                for command_id in results:  # answered; results that came in meanwhile go next time
+                    self._results.pop(command_id, None)
                 failures = 0
                 epoch = reply["epoch"]
                 if reply["draining"] != self._draining:
                     logger.info("admin: replica %s", "draining" if reply["draining"] else "undrained")
                     self._draining = reply["draining"]
-                for command in reply["commands"]:
-                    try:
-                        self._results[command["id"]] = await self._run_command(command)
-                    except Exception as exc:
-                        self._results[command["id"]] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                for command in reply["commands"]:  # run beside this loop, which must keep publishing
+                    task = asyncio.get_running_loop().create_task(self._run_command(command))
+                    self._commands.add(task)
+                    task.add_done_callback(self._commands.discard)
                 if epoch != self._state_epoch:
                     if self._state_epoch is not None:
                         # the state actor was lost and made afresh: it knows none of our blocks

@@ -205,10 +205,11 @@ class ReplicaStateLog:
 
     def replica_view(self) -> dict[str, dict]:
         """Each live replica's last stats with "stats_age_s" (seconds since it published them)
-        and "draining" (the admin's mark) added: the admin dashboard's view."""
+        and "drain_requested" (the admin's mark; the stats' own "draining" says the replica has
+        heard it) added: the admin dashboard's view."""
         self.drop_stale()
         now = self._clock()
-        return {rid: {**s, "stats_age_s": now - at, "draining": rid in self._draining}
+        return {rid: {**s, "stats_age_s": now - at, "drain_requested": rid in self._draining}
                 for rid, (s, at) in self._stats.items()}  # fmt: skip
 
 

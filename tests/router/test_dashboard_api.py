@@ -218,13 +218,15 @@ def test_drain_sends_new_requests_to_the_other_replica(admin: httpx2.Client, cli
                           "the other replica's tokens")  # fmt: skip
         # with every replica draining a request is refused, not left waiting
         admin.post(f"/admin/api/replicas/{other}/drain")
+        assert replicas(admin)[other]["drain_requested"]  # at once; the replica hears it next
+        assert eventually(lambda: replicas(admin)[other]["draining"], "the second replica's drain")
         with pytest.raises(openai.APIStatusError) as refused:
             client.completions.create(model=server.model, prompt=prompt_of(1), max_tokens=4)
         assert refused.value.status_code == 503 and "draining" in str(refused.value)
     finally:
         for rid in ids:
             admin.post(f"/admin/api/replicas/{rid}/undrain")
-    assert not any(r["draining"] for r in replicas(admin).values())
+    assert eventually(lambda: not any(r["draining"] for r in replicas(admin).values()), "the undrain")
     before = replicas(admin)
     for _ in range(12):  # undrained, it takes requests again (all 12 elsewhere: 2^-12 by chance)
         client.completions.create(model=server.model, prompt=prompt_of(2), max_tokens=4)

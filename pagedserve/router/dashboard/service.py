@@ -33,10 +33,11 @@ SERIES = ("output_tokens_per_s", "ttft_p50_s", "ttft_p95_s", "itl_p50_s", "itl_p
           "num_waiting")  # fmt: skip
 # the replica figures the dashboard lists (the stats carry more)
 REPLICA_FIELDS = (
-    "node_id", "pid", "draining", "ranks", "num_running", "num_waiting", "num_swapped", "kv_cache_usage",
-    "num_blocks", "free_blocks", "cached_blocks", "prefix_cache_queries", "prefix_cache_hits",
-    "num_preemptions", "generation_tokens", "prompt_tokens", "output_tokens_per_s", "ttft_p50_s",
-    "ttft_p95_s", "itl_p50_s", "itl_p95_s", "block_map", "num_group_restarts", "stats_age_s",
+    "node_id", "pid", "draining", "drain_requested", "ranks", "num_running", "num_waiting",
+    "num_swapped", "kv_cache_usage", "num_blocks", "free_blocks", "cached_blocks",
+    "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "generation_tokens",
+    "prompt_tokens", "output_tokens_per_s", "ttft_p50_s", "ttft_p95_s", "itl_p50_s", "itl_p95_s",
+    "block_map", "num_group_restarts", "stats_age_s",
 )  # fmt: skip
 
 
