@@ -584,7 +584,7 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=30)
         for cmd in self._queued_commands():
-            if cmd[0] == "call":
+            if cmd[0] == "call" and cmd[2].set_running_or_notify_cancel():
                 cmd[2].set_exception(RuntimeError("the engine has shut down"))
         self.engine.shutdown()
 
@@ -614,6 +614,8 @@ class AsyncEngine:
                     self._deliver(request_id, exc)
             elif cmd[0] == "call":
                 _, fn, future = cmd
+                if not future.set_running_or_notify_cancel():
+                    continue  # the caller stopped waiting (a timeout): never set a cancelled future
                 try:
                     future.set_result(fn(self.engine))
                 except Exception as exc:
@@ -675,7 +677,7 @@ class AsyncEngine:
         for cmd in self._queued_commands():
             if cmd[0] == "add":
                 self._deliver(cmd[1], RankFailure(message))
-            elif cmd[0] == "call":
+            elif cmd[0] == "call" and cmd[2].set_running_or_notify_cancel():
                 cmd[2].set_exception(RankFailure(message))
 
     def _publish(self) -> None:

@@ -468,8 +468,11 @@ def engine_resources(cfg: ServeConfig, env: dict[str, str]) -> dict[str, Any]:
 
 
 def admin_token_of(cfg: ServeConfig) -> str:
-    """The admin token: the configured one, else one made now and logged (``serve deploy``: in
-    the application build's log; ``pagedserve serve`` makes and prints its own first)."""
+    """The admin token: the configured one, else $PAGEDSERVE_ADMIN_TOKEN where the application is
+    built, else one made now and logged (``serve deploy``: in the application build's log;
+    ``pagedserve serve`` makes and prints its own first)."""
+    if not cfg.admin_token:
+        cfg.admin_token = os.environ.get("PAGEDSERVE_ADMIN_TOKEN") or None
     if not cfg.admin_token:
         from pagedserve.router.dashboard import new_admin_token
 

@@ -109,3 +109,22 @@ def test_block_states_and_prefix_cache_reset_run_between_steps(engine):
         assert set(await engine.block_states()) == {"."}
 
     asyncio.run(main())
+
+
+def test_a_loop_call_whose_caller_gave_up_does_not_stop_the_engine(engine):
+    """A caller that stops waiting (the dashboard's block map has a deadline) cancels its future
+    before the loop thread reaches it; the loop skips it and keeps serving."""
+
+    async def main():
+        import time
+
+        busy = asyncio.ensure_future(engine.call_in_loop(lambda _: time.sleep(0.3)))
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(engine.block_states(), 0.05)
+        await busy
+        prompt = {"prompt_token_ids": [5, 6, 7]}
+        out = [o async for o in engine.generate(prompt, SamplingParams(max_tokens=3))]
+        assert out[-1].finished and len(out[-1].outputs[0].token_ids) == 3
+        assert len(await engine.block_states()) == 64
+
+    asyncio.run(main())
