@@ -329,7 +329,7 @@ def test_drain_sends_new_requests_to_the_other_replica(
         button.click()
         expect(card.locator("[data-testid=draining-badge]")).to_be_visible()
         expect(button).to_have_text("Undrain")
-        assert replicas(admin)[drained]["draining"] is True
+        wait_until(lambda: replicas(admin)[drained]["draining"], f"{drained} to hear it drains")
 
         before = replicas(admin)
         outs = [complete(client, server, p) for p in [prompt] * 3 + [nonce_prompt() for _ in range(3)]]
@@ -345,7 +345,7 @@ def test_drain_sends_new_requests_to_the_other_replica(
         button.click()
         expect(card.locator("[data-testid=draining-badge]")).to_be_hidden()
         expect(button).to_have_text("Drain")
-        assert replicas(admin)[drained]["draining"] is False
+        wait_until(lambda: not replicas(admin)[drained]["draining"], f"{drained} to hear it is undrained")
     finally:
         # the server is shared with other tests: never leave a replica drained
         admin.post(f"/admin/api/replicas/{drained}/undrain")

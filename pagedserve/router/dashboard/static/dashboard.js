@@ -84,7 +84,16 @@ function fmtMs(seconds) {
   return ms >= 100 ? ms.toFixed(0) : ms.toFixed(1);
 }
 
+// compact, for chart axes and chart titles: 0.5, 12.3, 456, 1.2k, 34k
+function fmtShort(v) {
+  if (v === null || v === undefined) return "–";
+  if (v >= 10000) return `${(v / 1000).toFixed(0)}k`;
+  if (v >= 1000) return `${+(v / 1000).toFixed(1)}k`;
+  return v >= 100 ? v.toFixed(0) : String(+v.toFixed(1));
+}
+
 function fmtAge(seconds) {
+  if (seconds === null || seconds === undefined) return "–";
   if (seconds < 60) return `${seconds.toFixed(1)} s`;
   return `${Math.floor(seconds / 60)} min ${Math.round(seconds % 60)} s`;
 }
@@ -230,7 +239,7 @@ function makeCard(id) {
     onclick: () => {
       const verb = c.drain.dataset.draining === "true" ? "undrain" : "drain";
       action(c.drain, `/admin/api/replicas/${encodeURIComponent(id)}/${verb}`, (r) => {
-        setDraining(c, !!r.draining);
+        setDraining(c, !!(r.drain_requested ?? r.draining), !!r.draining);
         return `${short(id)} ${r.draining ? "draining: new requests go to other replicas" : "undrained"}`;
       });
     } });
@@ -266,12 +275,16 @@ function makeCard(id) {
   return c;
 }
 
-function setDraining(c, draining) {
-  c.draining.hidden = !draining;
-  c.node.classList.toggle("draining", draining);
-  c.node.dataset.draining = String(draining);
-  c.drain.dataset.draining = String(draining);
-  setText(c.drain, draining ? "Undrain" : "Drain");
+// requested: the admin's mark, which the button toggles; draining: whether the replica still
+// drains (it hears a new mark with its next publish, ~0.1 s later)
+function setDraining(c, requested, draining = requested) {
+  const shown = requested || draining;
+  c.draining.hidden = !shown;
+  setText(c.draining, requested ? "draining" : "undraining");
+  c.node.classList.toggle("draining", shown);
+  c.node.dataset.draining = String(requested);
+  c.drain.dataset.draining = String(requested);
+  setText(c.drain, requested ? "Undrain" : "Drain");
 }
 
 function renderReplicas(replicas) {
@@ -303,7 +316,7 @@ function updateCard(c, r) {
   const ranks = r.ranks || [];
   setText(c.ranks, ranks.length
     ? `TP ${ranks.length}: ${ranks.map((k) => `r${k.rank} ${short(k.node_id)}/${k.pid}`).join(", ")}` : "");
-  setDraining(c, !!r.draining);
+  setDraining(c, !!(r.drain_requested ?? r.draining), !!r.draining);
   c.stale.hidden = !(r.stats_age_s > STALE_AFTER_S);
   c.stale.title = `stats ${Number(r.stats_age_s || 0).toFixed(1)} s old`;
 
@@ -396,7 +409,7 @@ function niceMax(v) {
   return 10 * p;
 }
 
-function drawChart(chart, h) {
+function drawChart(chart, h, tEnd, span) {
   const plot = chart.plot;
   // the view box follows the drawn width, so that text and strokes are not stretched
   const W = Math.max(120, Math.round(plot.getBoundingClientRect().width) || 300);
@@ -405,14 +418,9 @@ function drawChart(chart, h) {
   const t = (h && h.t) || [];
   const values = chart.series.map(([key]) => ((h && h[key]) || []).map((v) => (v === null ? null : v * chart.scale)));
   const last = (arr) => { for (let i = arr.length - 1; i >= 0; i -= 1) if (arr[i] !== null) return arr[i]; return null; };
-  setText(chart.now, values.map((arr) => {
-    const v = last(arr);
-    return v === null ? "–" : v >= 100 ? v.toFixed(0) : v.toFixed(1);
-  }).join(" / "));
+  setText(chart.now, values.map((arr) => fmtShort(last(arr))).join(" / "));
 
   const children = [];
-  const tEnd = t.length ? t[t.length - 1] : Date.now() / 1000;
-  const span = Math.min(CHART_MAX_SPAN_S, Math.max(CHART_MIN_SPAN_S, t.length ? tEnd - t[0] : 0));
   const t0 = tEnd - span;
   let vmax = 0;
   values.forEach((arr) => arr.forEach((v, i) => { if (v !== null && t[i] >= t0 && v > vmax) vmax = v; }));
@@ -425,7 +433,7 @@ function drawChart(chart, h) {
   }
   children.push(svg("line", { class: "axis", x1: L, x2: W - R, y1: y(0), y2: y(0) }));
   const label = (txt, attrs) => { const n = svg("text", attrs); n.textContent = txt; return n; };
-  children.push(label(String(+ymax.toPrecision(3)), { x: L - 3, y: T + 8, "text-anchor": "end" }));
+  children.push(label(fmtShort(ymax), { x: L - 3, y: T + 8, "text-anchor": "end" }));
   children.push(label("0", { x: L - 3, y: y(0) + 3, "text-anchor": "end" }));
   children.push(label(`-${Math.round(span / 60) >= 2 ? `${Math.round(span / 60)} min` : `${Math.round(span)} s`}`,
     { x: L, y: H - 2, "text-anchor": "start" }));
@@ -450,9 +458,14 @@ function drawChart(chart, h) {
 }
 
 function renderHistory(history) {
+  // one time axis for every chart, so that replicas compare at a glance
+  const series = Object.values((history && history.replicas) || {}).filter((h) => h.t && h.t.length);
+  const tEnd = series.length ? Math.max(...series.map((h) => h.t[h.t.length - 1])) : Date.now() / 1000;
+  const tStart = series.length ? Math.min(...series.map((h) => h.t[0])) : tEnd;
+  const span = Math.min(CHART_MAX_SPAN_S, Math.max(CHART_MIN_SPAN_S, tEnd - tStart));
   for (const [id, c] of cards) {
     const h = history && history.replicas ? history.replicas[id] : null;
-    for (const chart of c.charts) drawChart(chart, h);
+    for (const chart of c.charts) drawChart(chart, h, tEnd, span);
   }
 }
 
