@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: install test test-fast test-reliability lint serve bench bench-peers clean
+.PHONY: install test test-fast test-reliability lint serve local-cluster local-cluster-down bench bench-peers clean
 
 install: $(STAMP)
 
@@ -49,6 +49,14 @@ lint: install
 # More flags: make serve SERVE_ARGS="--num-replicas 2 --max-model-len 2048"
 serve: install
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/pagedserve serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+
+# A head and two worker nodes on this machine, each its own raylet, made and watched by Ray's
+# autoscaler (deploy/local-cluster.yaml; see deploy/README.md); it prints how to serve on it.
+local-cluster: install
+	$(BIN)/python -m pagedserve.localcluster up --config deploy/local-cluster.yaml
+
+local-cluster-down:
+	$(BIN)/python -m pagedserve.localcluster down --config deploy/local-cluster.yaml
 
 bench: install
 	$(BIN)/python benchmarks/kv_memory.py
