@@ -142,7 +142,11 @@ def test_block_map_and_counters_follow_requests_and_history_fills(admin: httpx2.
         wait_until_idle(http)
     before = replicas(admin)
     prompt = prompt_of(6)
-    outs = [client.completions.create(model=server.model, prompt=prompt, max_tokens=16) for _ in range(3)]
+    # one session: the repeats follow the first to its replica even before the router has heard
+    # of its blocks (a replica publishes them every ~100 ms)
+    session = uuid.uuid4().hex
+    outs = [client.completions.create(model=server.model, prompt=prompt, max_tokens=16, user=session)
+            for _ in range(3)]  # fmt: skip
     generated = sum(o.usage.completion_tokens for o in outs)
 
     def counted() -> dict[str, int] | None:
@@ -182,8 +186,9 @@ def test_reset_empties_a_prefix_cache_so_the_next_repeat_misses(admin: httpx2.Cl
                                                                  server: Server) -> None:  # fmt: skip
     prompt = prompt_of(6)
     before = replicas(admin)
-    client.completions.create(model=server.model, prompt=prompt, max_tokens=4)
-    client.completions.create(model=server.model, prompt=prompt, max_tokens=4)
+    session = uuid.uuid4().hex  # the repeat goes where the first went (see the test above)
+    client.completions.create(model=server.model, prompt=prompt, max_tokens=4, user=session)
+    client.completions.create(model=server.model, prompt=prompt, max_tokens=4, user=session)
     hits = eventually(lambda: (h := served(admin, before, "prefix_cache_hits")) and sum(h.values()) and h,
                       "the repeat's prefix hit")  # fmt: skip
     holder = max(hits, key=hits.__getitem__)
@@ -250,7 +255,14 @@ def test_abort_ends_a_running_stream_with_finish_reason_abort(admin: httpx2.Clie
 
     thread = threading.Thread(target=stream, daemon=True)
     thread.start()
-    listed = eventually(lambda: admin.get("/admin/api/requests").json(), "the request in the in-flight list")
+    eventually(lambda: chunks, "the stream's first chunk")
+    engine_id = f"{chunks[0].id}-0"  # the engine's id of the completion's first prompt
+    # (a listing is up to ~100 ms old: it may still show the previous test's last request)
+
+    def listing() -> list[dict[str, Any]]:
+        return [r for r in admin.get("/admin/api/requests").json() if r["request_id"] == engine_id]
+
+    listed = eventually(listing, "the request in the in-flight list")
     (request,) = listed
     assert request["prompt_tokens"] > 0 and request["replica_id"] in replicas(admin) and request["age_s"] >= 0
     reply = admin.post(f"/admin/api/requests/{request['request_id']}/abort")

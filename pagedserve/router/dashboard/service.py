@@ -230,11 +230,19 @@ class DashboardService:
         return {"replica_id": replica_id, "draining": draining}
 
     async def abort(self, request_id: str) -> dict[str, Any]:
-        """Abort a request in flight wherever it runs; its stream ends with finish_reason "abort"."""
-        for replica in await self.replicas():
-            if any(r["request_id"] == request_id for r in replica["requests"]):
-                result = await self._command(replica["replica_id"], "abort", {"request_id": request_id})
-                if not result.get("ok"):
-                    raise not_found(result.get("error", f"no request {request_id!r} in flight"))
-                return {"request_id": request_id, "replica_id": replica["replica_id"], "aborted": True}
+        """Abort a request in flight wherever it runs; its stream ends with finish_reason "abort".
+
+        The replica listing it is asked first; when none lists it (a listing is up to ~100 ms
+        old), every replica is asked, and whichever runs it aborts it.
+        """
+        listed = await self.replicas()
+        holders = [r["replica_id"] for r in listed
+                   if any(q["request_id"] == request_id for q in r["requests"])]  # fmt: skip
+        others = [r["replica_id"] for r in listed if r["replica_id"] not in holders]
+        for group in (holders, others):
+            asks = [self._command(rid, "abort", {"request_id": request_id}) for rid in group]
+            results = await asyncio.gather(*asks, return_exceptions=True)
+            for rid, result in zip(group, results):
+                if isinstance(result, dict) and result.get("ok"):
+                    return {"request_id": request_id, "replica_id": rid, "aborted": True}
         raise not_found(f"no request {request_id!r} in flight")
