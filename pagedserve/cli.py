@@ -27,6 +27,7 @@ from pagedserve.config import (
     PLACEMENT_STRATEGIES,
     PLAN_TRANSPORTS,
     PREEMPTION_MODES,
+    PROXY_LOCATIONS,
     ROUTING_POLICIES,
     ConfigError,
     ServeConfig,
@@ -118,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("PAGEDSERVE_ADMIN_TOKEN"),
         help="the token of /dashboard and /admin/api (default: $PAGEDSERVE_ADMIN_TOKEN, else one is "
         "generated and printed at start-up)",
+    )
+    serve.add_argument(
+        "--proxy-location", choices=PROXY_LOCATIONS, default=None,
+        help="where Ray Serve runs HTTP proxies (default EveryNode; HeadOnly for several raylets on one box)",
     )
     serve.add_argument(
         "--replica-resources",

@@ -71,6 +71,8 @@ REPLICA_LOSS_BACKOFF_S = 0.5
 ENGINE_NUM_CPUS = 0.5
 ENGINE_TP_NUM_CPUS = 0.1  # a tensor-parallel replica only schedules; its ranks hold the cores
 INGRESS_NUM_CPUS = 0.1
+HEAD_RESOURCE = "node:__internal_head__"  # Ray's resource of the head node (1.0 there, none elsewhere)
+HEAD_SHARE = 0.001
 
 
 def served_model_name(config: EngineConfig) -> str:
@@ -513,7 +515,10 @@ def build_app(serve_config: ServeConfig) -> Application:
         # Room for every request the engines could hold or reject, so that rejections are ours
         # (OpenAI-shaped 503s), not the proxy's.
         max_ongoing_requests=2 * cfg.num_replicas * per_replica + 64,
-        ray_actor_options={"num_cpus": INGRESS_NUM_CPUS, "runtime_env": {"env_vars": env}},
+        # on the head node, whose loss ends the cluster anyway: losing a worker node then loses
+        # engine replicas only, never the front door
+        ray_actor_options={"num_cpus": INGRESS_NUM_CPUS, "resources": {HEAD_RESOURCE: HEAD_SHARE},
+                           "runtime_env": {"env_vars": env}},  # fmt: skip
     ).bind(engine, cfg.engine.to_flags(), cfg.api_key, limits_of(cfg), admin_token_of(cfg), cfg.routing)
 
 
@@ -581,5 +586,6 @@ def deploy(serve_config: ServeConfig, name: str = APP_NAME) -> DeploymentHandle:
 
     Ray must be initialized. Returns once every replica is up.
     """
-    serve.start(http_options={"host": serve_config.host, "port": serve_config.port})
+    serve.start(proxy_location=serve_config.proxy_location,
+                http_options={"host": serve_config.host, "port": serve_config.port})  # fmt: skip
     return serve.run(build_app(serve_config), name=name, route_prefix="/", blocking=False)

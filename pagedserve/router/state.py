@@ -235,9 +235,12 @@ def state_actor() -> Any:
     global _actor
     with _actor_lock:
         if _actor is None:
+            # On the head node: the one node whose loss ends the cluster anyway. Elsewhere, losing
+            # that node would blind the routers and the admin API until Ray declared it dead.
             _actor = ReplicaStateActor.options(
-                name=STATE_ACTOR_NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached"
-            ).remote()
+                name=STATE_ACTOR_NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
+                resources={"node:__internal_head__": 0.001},
+            ).remote()  # fmt: skip
             _register_for_serve_shutdown(_actor)
         return _actor
 
