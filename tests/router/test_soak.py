@@ -3,7 +3,8 @@
 Six clients loop until the time is up, each request one of: a streamed completion read to the end,
 a stream the client drops after a few events (an abort), n = 3 samples of a long prompt (the
 pool is small enough that these preempt), a chat, prompts behind one of three shared prefixes
-(prefix-cache hits), a non-streamed completion, and a deliberately bad request. Every request
+(prefix-cache hits), a non-streamed completion, and a deliberately bad request; and at the start
+a burst of long requests that overflows each replica's pool (preemption). Every request
 must end as expected: 200 with all its tokens, 400 for the bad ones, or 503 with Retry-After when
 the cluster is full; never another status, an exception or a hang. At the end nothing runs,
 every KV block of both replicas is free, preemptions and prefix hits happened, and the resident
@@ -49,12 +50,18 @@ class Client:
     def run(self) -> None:
         kinds = ["stream", "drop", "samples", "chat", "prefix", "plain", "bad"]
         while time.monotonic() < self.deadline:
-            kind = self.rng.choice(kinds)
-            try:
-                self.outcomes[f"{kind} {getattr(self, kind)()}"] += 1
-            except Exception as exc:  # a client error, timeout or broken stream: a failure
-                self.failures.append(f"{kind}: {type(exc).__name__}: {exc}")
+            if self.one(self.rng.choice(kinds)) == "503":
+                time.sleep(0.25)  # backs off as a client told Retry-After would, a little
         self.http.close()
+
+    def one(self, kind: str) -> str | None:
+        try:
+            outcome = getattr(self, kind)()
+        except Exception as exc:  # a client error, timeout or broken stream: a failure
+            self.failures.append(f"{kind}: {type(exc).__name__}: {exc}")
+            return None
+        self.outcomes[f"{kind} {outcome}"] += 1
+        return outcome
 
     def body(self, prompt: str, max_tokens: int, **extra) -> dict:
         return {"model": self.server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8,
@@ -98,6 +105,12 @@ class Client:
         r = self.http.post("/v1/completions", json=self.body(self.words(300), 150, n=3))
         return self.expect(r, 150)
 
+    def long(self) -> str:
+        """300 prompt tokens and 200 out: 32 blocks at the end, so three at once overflow a
+        replica's 91-block pool (the burst at the start of the soak: six of them, so one replica
+        runs at least three: preemption, whatever the machine's speed)."""
+        return self.expect(self.http.post("/v1/completions", json=self.body(self.words(300), 200)), 200)
+
     def chat(self) -> str:
         body = {"model": self.server.model, "messages": [{"role": "user", "content": self.words(20)}],
                 "max_tokens": 24, "temperature": 0.7}  # fmt: skip
@@ -106,9 +119,10 @@ class Client:
             assert r.json()["choices"][0]["message"]["role"] == "assistant"
         return self.expect(r, None)
 
-    def prefix(self) -> str:
-        system = ["You are a terse assistant. " * 12, "Translate to French, keep names. " * 10,
-                  "Answer in one word only. " * 14][self.rng.randrange(3)]  # fmt: skip
+    def prefix(self, which: int | None = None) -> str:
+        systems = ["You are a terse assistant. " * 12, "Translate to French, keep names. " * 10,
+                   "Answer in one word only. " * 14]  # fmt: skip
+        system = systems[self.rng.randrange(3) if which is None else which]
         return self.expect(self.http.post("/v1/completions", json=self.body(system + self.words(6), 16)), 16)
 
     def plain(self) -> str:
@@ -129,7 +143,15 @@ def test_soak_mixed_traffic_loses_nothing_and_leaks_nothing(server: Server) -> N
         start_metrics = wait_until_idle(http, timeout=60)
         deadline = time.monotonic() + SOAK_S
         clients = [Client(server, seed, deadline) for seed in range(CLIENTS)]
-        threads = [threading.Thread(target=c.run, daemon=True) for c in clients]
+        # one prefix shared by two requests in a row (a hit, however little traffic the machine's
+        # speed lets through), then a burst of long requests, three per replica at once (preemption)
+        opener = Client(server, 99, deadline)
+        for _ in range(2):
+            opener.outcomes[f"prefix {opener.prefix(0)}"] += 1
+        opener.http.close()
+        burst = [Client(server, 100 + i, deadline) for i in range(3 * NUM_REPLICAS)]
+        threads = [threading.Thread(target=c.one, args=("long",), daemon=True) for c in burst]
+        threads += [threading.Thread(target=c.run, daemon=True) for c in clients]
         for t in threads:
             t.start()
         # memory is measured from the end of a warm-up (first shapes, caches filling) to the end
@@ -140,6 +162,9 @@ def test_soak_mixed_traffic_loses_nothing_and_leaks_nothing(server: Server) -> N
             assert not t.is_alive(), "a client hangs"
         end_metrics = wait_until_idle(http, timeout=120)  # nothing runs; every block is free
         rss_after = rss_mb()
+    for c in burst:
+        c.http.close()
+    clients += [*burst, opener]
     failures = [f for c in clients for f in c.failures]
     assert not failures, failures[:10]
     outcomes = sum((c.outcomes for c in clients), Counter())
@@ -150,7 +175,7 @@ def test_soak_mixed_traffic_loses_nothing_and_leaks_nothing(server: Server) -> N
     hits = total(end_metrics, "pagedserve:prefix_cache_hits", "pagedserve:prefix_cache_hits_total") - total(
         start_metrics, "pagedserve:prefix_cache_hits", "pagedserve:prefix_cache_hits_total")
     assert outcomes["samples 200"] > 0 and outcomes["drop dropped"] > 0, outcomes
-    assert preempted > 0 and hits > 0, (preempted, hits)
+    assert preempted > 0 and hits > 0, (preempted, hits, outcomes)
     growth = {name: rss_after[name] - mb for name, mb in rss_before.items() if name in rss_after}
     measured = requests - warm_requests
     per_1000 = {name: g * 1000 / measured for name, g in growth.items()}
