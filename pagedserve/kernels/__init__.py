@@ -17,11 +17,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
 
+import torch
 from torch import Tensor
 
 from pagedserve.kernels import reference
 
-__all__ = ["write_kv", "paged_attention", "copy_blocks", "swap_blocks", "use_backend", "BACKENDS"]
+__all__ = ["write_kv", "paged_attention", "copy_blocks", "swap_blocks", "fused_ops", "use_backend",
+           "BACKENDS"]
 
 BACKENDS = ("auto", "triton", "cpu", "torch")
 _forced: str | None = None
@@ -109,3 +111,20 @@ def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor) -> None:
     """dst[d] = src[s] for each (s, d) row; src and dst may sit on different devices. In place."""
     # a swap crosses devices: it is DMA through torch copies on every backend, not a kernel
     reference.swap_blocks(src, dst, block_mapping)
+
+
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def fused_ops(t: Tensor) -> ModuleType | None:
+    """The CPU extension's fused elementwise ops of a decoder layer (rms_norm, fused_add_rms_norm,
+    rotary_neox, silu_and_mul; cpu_ops.cpp) where t runs the CPU backend and the extension is
+    built, else None: layers.py then runs its torch code, which is their reference.
+    ``PAGEDSERVE_CPU_FUSED=0`` turns them off (to measure them)."""
+    if t.device.type != "cpu" or t.dtype not in _FUSED_DTYPES or _backend(t) != "cpu":
+        return None
+    if os.environ.get("PAGEDSERVE_CPU_FUSED", "1") == "0":
+        return None
+    from pagedserve.kernels import cpu
+
+    return cpu.extension()

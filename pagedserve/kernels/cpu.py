@@ -1,4 +1,10 @@
-"""The CPU serving path: decode attention in C++ (``cpu_decode.cpp``), the rest from the reference.
+"""The CPU serving path: decode attention and the KV write in C++ (``cpu_decode.cpp``,
+``cpu_ops.cpp``), prefill attention from the reference. The same extension holds the fused
+elementwise ops of a decoder layer (RMSNorm with the residual add, rotary, SiLU-and-mul), which
+layers.py takes through ``kernels.fused_ops``: in eager torch each of those is 3-25 ops, ~40 a
+layer, and at decode batch sizes their dispatch and allocations cost more than their arithmetic.
+The extension's functions keep the GIL (torch's own ops release it on every call, and each
+release lets the replica's event loop thread in for up to the 5 ms switch interval).
 
 Decode rows (one query token per sequence) go to a C++ kernel that reads K and V in place through
 the block tables: the reference gathers every sequence's KV into a workspace first and then runs
@@ -7,7 +13,7 @@ gather 9.8 ms and SDPA 14 ms a step, against 19 ms of linears). Prefill and exte
 SDPA handles well, run the reference. The same signatures as ``reference.py``.
 
 The extension is compiled on first use (torch's cpp_extension, ``-O3 -march=native``, about a
-minute) into ``$PAGEDSERVE_CACHE_DIR/torch_extensions`` keyed by the source, torch's version and
+minute) into ``$PAGEDSERVE_CACHE_DIR/torch_extensions`` keyed by the sources, torch's version and
 this CPU; ``make install`` builds it ahead. Without a compiler it logs once and the reference
 serves.
 """
@@ -29,8 +35,7 @@ from pagedserve.kernels import reference
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decode.cpp")
-write_kv = reference.write_kv
+SOURCES = (Path(__file__).with_name("cpu_decode.cpp"), Path(__file__).with_name("cpu_ops.cpp"))
 copy_blocks = reference.copy_blocks
 swap_blocks = reference.swap_blocks
 
@@ -38,7 +43,8 @@ swap_blocks = reference.swap_blocks
 def _build_dir() -> Path:
     from pagedserve.worker.loader import cache_dir
 
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_id().encode())
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + torch.__version__.encode()
+                         + _cpu_id().encode())
     return cache_dir() / "torch_extensions" / f"cpu_decode-{key.hexdigest()[:12]}"
 
 
@@ -62,13 +68,24 @@ def extension() -> ModuleType | None:
 
         build = _build_dir()
         build.mkdir(parents=True, exist_ok=True)
-        return load(name="pagedserve_cpu_decode", sources=[str(SOURCE)], build_directory=str(build),
+        return load(name="pagedserve_cpu_decode", sources=[str(p) for p in SOURCES],
+                    build_directory=str(build),
                     extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)  # fmt: skip
     except Exception as exc:  # no compiler, no headers: the reference serves, slower
         logger.warning("CPU decode kernel unavailable (%s: %s); using the torch reference",
                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")  # fmt: skip
         return None
+
+
+def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """reference.write_kv's contract: one memcpy per token and pool instead of a mask, two
+    index_copy_ and their casts."""
+    ext = extension()
+    if (ext is None or key.dtype != k_cache.dtype or value.dtype != v_cache.dtype or key.device.type != "cpu"
+            or slot_mapping.dtype != torch.int64):
+        return reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
+    ext.write_kv(key.flatten(1), value.flatten(1), k_cache, v_cache, slot_mapping.contiguous())
 
 
 def paged_decode(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,

@@ -269,6 +269,15 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """With a residual, x and residual are consumed: on CPU the fused kernel overwrites them
+        (residual <- x + residual, x <- the norm) and returns them."""
+        ops = kernels.fused_ops(x)
+        if ops is not None and x.dim() == 2 and x.stride(-1) == 1:
+            if residual is None:
+                return ops.rms_norm(x, self.weight, self.eps)
+            if residual.shape == x.shape and residual.stride(-1) == 1 and residual.dtype == x.dtype:
+                ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+                return x, residual
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -297,6 +306,9 @@ class SiluAndMul(nn.Module):
     """silu(x[..., :d]) * x[..., d:] for x of last dimension 2d (the gated MLP activation)."""
 
     def forward(self, x: Tensor) -> Tensor:
+        ops = kernels.fused_ops(x)
+        if ops is not None and x.dim() == 2 and x.stride(-1) == 1:
+            return ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -340,7 +352,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
     def forward(self, positions: Tensor, query: Tensor, key: Tensor) -> tuple[Tensor, Tensor]:
-        """Rotate query [T, Hq * D] and key [T, Hkv * D] (or [T, H, D]) of tokens at `positions` [T]."""
+        """Rotate query [T, Hq * D] and key [T, Hkv * D] (or [T, H, D]) of tokens at `positions` [T].
+
+        On CPU, 2-D query and key (views into the QKV output) are rotated in place and returned."""
+        ops = kernels.fused_ops(query)
+        if (ops is not None and query.dim() == 2 and key.dim() == 2 and query.stride(-1) == 1
+                and key.stride(-1) == 1 and positions.dtype == torch.int64):
+            ops.rotary_neox(positions.contiguous(), query, key, self.cos_sin_cache, self.head_dim)
+            return query, key
         cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 

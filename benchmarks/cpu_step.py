@@ -1,0 +1,112 @@
+"""Engine step times on CPU, in process: variants of the model's execution compared in one run.
+
+Workload: the default model (SmolLM2-135M-Instruct) in one Worker with a paged KV pool; decode
+steps of batch 1 and 16 over a 300-token context, and a 256-token prefill chunk, each timed
+through ``Worker.execute`` (metadata, model, LM head, sampling: what a served step runs). Variants:
+
+- ``fused``: the C++ fused RMSNorm / rotary / SiLU-and-mul / KV write (the default), against
+  ``unfused`` (layers.py's torch code, PAGEDSERVE_CPU_FUSED=0);
+- ``threads``: how many torch threads a step of each kind runs on (1 or 2).
+
+Prints the median step time of each (workload, variant) and the ratio to the default's. Run with
+OMP_WAIT_POLICY=PASSIVE as the server does: ``make bench-step`` (about 2 minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from pagedserve.plan import ScheduledSeq, StepPlan
+from pagedserve.worker import worker as worker_module
+from pagedserve.worker.loader import resolve_model
+from pagedserve.worker.worker import Worker
+
+BLOCK = 16
+
+
+def _plan(batch: int, start: int, tokens: int, table_start: int, blocks: list[list[int]] | None,
+          prompt: int) -> StepPlan:  # fmt: skip
+    seqs = []
+    for b in range(batch):
+        new = None
+        if blocks is not None:
+            new = {"params": {"temperature": 0.0, "max_tokens": 4096}, "prompt_token_ids": [1] * prompt}
+        seqs.append(ScheduledSeq(f"r{b}", [7] * tokens, start, table_start,
+                                 [blocks[b] if blocks else []], True, new=new))  # fmt: skip
+    return StepPlan(seqs=seqs)
+
+
+def time_decode(w: Worker, batch: int, context: int, steps: int) -> float:
+    """Median time of `steps` decode steps of `batch` sequences after a `context`-token prefill."""
+    w.states.clear()
+    per_seq = -(-(context + steps + 1) // BLOCK)
+    blocks = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
+    w.execute(_plan(batch, 0, context, 0, blocks, context))
+    times = []
+    for i in range(steps):
+        plan = _plan(batch, context + i, 1, per_seq, None, context)
+        t0 = time.perf_counter()
+        w.execute(plan)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:])
+
+
+def time_prefill(w: Worker, tokens: int, repeats: int) -> float:
+    per_seq = -(-tokens // BLOCK)
+    times = []
+    for _ in range(repeats):
+        w.states.clear()
+        plan = _plan(1, 0, tokens, 0, [list(range(per_seq))], tokens)
+        t0 = time.perf_counter()
+        w.execute(plan)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=3, help="variants interleaved this many times")
+    args = ap.parse_args()
+    w = Worker(str(resolve_model(None)), dtype=args.dtype)
+    w.init_kv_pool(num_blocks=1024, block_size=BLOCK)
+    cores = os.cpu_count() or 1
+    variants = {"fused": ("1", None), "unfused": ("0", None), "fused 1 thread": ("1", 1),
+                f"fused {cores} threads": ("1", cores)}  # fmt: skip
+    workloads = {"decode b1": lambda: time_decode(w, 1, 300, args.steps),
+                 "decode b16": lambda: time_decode(w, 16, 300, args.steps),
+                 "prefill 256": lambda: time_prefill(w, 256, 4)}  # fmt: skip
+    results: dict[str, dict[str, list[float]]] = {k: {v: [] for v in variants} for k in workloads}
+    for _ in range(args.rounds):  # interleaved, so drift of the machine hits every variant alike
+        for name, (fused, threads) in variants.items():
+            os.environ["PAGEDSERVE_CPU_FUSED"] = fused
+            # threads None: the worker's own policy (one thread for steps of <= 8 tokens)
+            worker_module.SINGLE_THREAD_MAX_TOKENS = 8 if threads is None else 0
+            w.max_threads = threads or cores
+            for wl, fn in workloads.items():
+                results[wl][name].append(fn())
+    os.environ.pop("PAGEDSERVE_CPU_FUSED", None)
+    print(f"dtype {w.dtype}, {cores} cores, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}, "
+          f"torch {torch.__version__}")  # fmt: skip
+    print(f"{'workload':<12} " + " ".join(f"{v:>20}" for v in variants))
+    summary = {}
+    for wl, per in results.items():
+        base = statistics.median(per["fused"])
+        cells = []
+        for v, ts in per.items():
+            m = statistics.median(ts)
+            cells.append(f"{m * 1e3:8.2f} ms ({m / base:4.2f}x)")
+            summary[f"{wl} {v}"] = round(m * 1e3, 2)
+        print(f"{wl:<12} " + " ".join(f"{c:>20}" for c in cells))
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+// Fused elementwise ops of a Llama decoder layer on CPU: RMSNorm (with the residual add), NeoX
+// rotary embedding in place, SiLU-and-mul, and the KV write. Each replaces 3 to 25 eager torch
+// ops (and their dispatch, allocations and dtype casts) with one pass over the rows.
+//
+// The torch reference (layers.py, reference.py) is the oracle, and the rounding follows it: in
+// bf16 and fp16 every intermediate the reference keeps in the model dtype is rounded here too
+// (the normalized row before the weight multiplies it, cos/sin cast to the model dtype, each
+// product of the rotation, the SiLU before the multiply). In bf16 the norms and the rotation
+// match the reference bit for bit; ~0.05% of SiLU outputs differ by one ulp (the compiler's
+// vectorized exp); in fp32 results differ by float rounding (sums taken in another order).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace {
+
+inline float to_f(float v) { return v; }
+inline float to_f(at::BFloat16 v) {
+  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float to_f(at::Half v) { return static_cast<float>(v); }
+
+// float -> T with round-to-nearest-even (the same as torch's casts)
+template <typename T>
+inline T from_f(float f) {
+  if constexpr (std::is_same_v<T, float>) {
+    return f;
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof(u));
+    at::BFloat16 out;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+      out.x = 0x7fc0;
+    } else {
+      u += 0x7fffu + ((u >> 16) & 1u);
+      out.x = static_cast<uint16_t>(u >> 16);
+    }
+    return out;
+  } else {
+    return static_cast<T>(f);
+  }
+}
+
+// The value the reference holds after rounding an fp32 result to the model dtype.
+template <typename T>
+inline float round_to(float f) {
+  if constexpr (std::is_same_v<T, float>) return f;
+  return to_f(from_f<T>(f));
+}
+
+constexpr int64_t kRowGrain = 16;  // rows per task: decode steps (few rows) stay on one thread
+
+// out[i] = w * round(x[i] * rsqrt(mean(x[i]^2) + eps)), x read from row i of `x` (fp32 math).
+template <typename T>
+void rms_rows(const T* x, int64_t xs, const T* w, T* out, int64_t os, int64_t T_, int64_t H, float eps,
+              T* res, int64_t rs) {
+  at::parallel_for(0, T_, kRowGrain, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(H);
+    for (int64_t t = begin; t < end; ++t) {
+      const T* xr = x + t * xs;
+      if (res != nullptr) {
+        // fused residual add: res <- round(x + res), then normalize res
+        T* rr = res + t * rs;
+        for (int64_t h = 0; h < H; ++h) {
+          const T sum = from_f<T>(to_f(xr[h]) + to_f(rr[h]));
+          rr[h] = sum;
+          row[h] = to_f(sum);
+        }
+      } else {
+        for (int64_t h = 0; h < H; ++h) row[h] = to_f(xr[h]);
+      }
+      float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t h = 0; h < H; ++h) ss += row[h] * row[h];
+      const float r = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+      T* orow = out + t * os;
+      for (int64_t h = 0; h < H; ++h) orow[h] = from_f<T>(to_f(w[h]) * round_to<T>(row[h] * r));
+    }
+  });
+}
+
+template <typename F>
+void dispatch(at::ScalarType dtype, const char* name, F&& f) {
+  switch (dtype) {
+    case at::kFloat:
+      f(float{});
+      break;
+    case at::kBFloat16:
+      f(at::BFloat16{});
+      break;
+    case at::kHalf:
+      f(at::Half{});
+      break;
+    default:
+      TORCH_CHECK(false, name, ": unsupported dtype ", dtype);
+  }
+}
+
+void check_rows(const at::Tensor& x, const char* what) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, what, " must be 2-D [rows, features] with contiguous rows");
+}
+
+}  // namespace
+
+// Llama's RMSNorm: weight * round(x * rsqrt(mean(x^2) + eps)) per row (a new tensor).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "weight must be contiguous [features] in x's dtype");
+  at::Tensor out = at::empty_like(x, x.options().memory_format(at::MemoryFormat::Contiguous));
+  dispatch(x.scalar_type(), "rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    rms_rows<T>(x.data_ptr<T>(), x.stride(0), weight.data_ptr<T>(), out.data_ptr<T>(), out.stride(0),
+                x.size(0), x.size(1), static_cast<float>(eps), nullptr, 0);
+  });
+  return out;
+}
+
+// In place: residual <- round(x + residual); x <- RMSNorm(residual) (vLLM's fused_add_rms_norm).
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
+              "x and residual must match");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "weight must be contiguous [features] in x's dtype");
+  dispatch(x.scalar_type(), "fused_add_rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    rms_rows<T>(x.data_ptr<T>(), x.stride(0), weight.data_ptr<T>(), x.data_ptr<T>(), x.stride(0), x.size(0),
+                x.size(1), static_cast<float>(eps), residual.data_ptr<T>(), residual.stride(0));
+  });
+}
+
+// In place, NeoX layout: the two halves of each head rotate together by the angle of the token's
+// position; cos_sin_cache fp32 [max_position, head_dim] holds [cos | sin] of every position.
+void rotary_neox(const at::Tensor& positions, at::Tensor& query, at::Tensor& key, const at::Tensor& cos_sin_cache,
+                 int64_t head_dim) {
+  check_rows(query, "query");
+  check_rows(key, "key");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+                  positions.numel() == query.size(0) && key.size(0) == query.size(0),
+              "positions must be contiguous int64 [tokens]");
+  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.is_contiguous() &&
+                  cos_sin_cache.size(1) == head_dim && head_dim % 2 == 0,
+              "cos_sin_cache must be contiguous fp32 [positions, head_dim]");
+  TORCH_CHECK(query.size(1) % head_dim == 0 && key.size(1) % head_dim == 0, "heads of head_dim");
+  TORCH_CHECK(query.scalar_type() == key.scalar_type(), "query and key must share a dtype");
+  const int64_t T_ = query.size(0), half = head_dim / 2, max_pos = cos_sin_cache.size(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* cache = cos_sin_cache.data_ptr<float>();
+  for (int64_t t = 0; t < T_; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " outside the RoPE cache");
+  dispatch(query.scalar_type(), "rotary_neox", [&](auto tag) {
+    using T = decltype(tag);
+    auto rotate = [&](T* x, int64_t stride, int64_t heads) {
+      at::parallel_for(0, T_, kRowGrain, [&](int64_t begin, int64_t end) {
+        std::vector<float> c(half), s(half);
+        for (int64_t t = begin; t < end; ++t) {
+          const float* cs = cache + pos[t] * head_dim;
+          for (int64_t i = 0; i < half; ++i) {
+            c[i] = round_to<T>(cs[i]);
+            s[i] = round_to<T>(cs[half + i]);
+          }
+          for (int64_t h = 0; h < heads; ++h) {
+            T* x1 = x + t * stride + h * head_dim;
+            T* x2 = x1 + half;
+            for (int64_t i = 0; i < half; ++i) {
+              const float a = to_f(x1[i]), b = to_f(x2[i]);
+              const float r1 = round_to<T>(round_to<T>(a * c[i]) - round_to<T>(b * s[i]));
+              const float r2 = round_to<T>(round_to<T>(b * c[i]) + round_to<T>(a * s[i]));
+              x1[i] = from_f<T>(r1);
+              x2[i] = from_f<T>(r2);
+            }
+          }
+        }
+      });
+    };
+    rotate(query.data_ptr<T>(), query.stride(0), query.size(1) / head_dim);
+    rotate(key.data_ptr<T>(), key.stride(0), key.size(1) / head_dim);
+  });
+}
+
+// silu(x[:, :d]) * x[:, d:] (a new [rows, d] tensor), the SiLU rounded to the dtype first.
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(1) % 2 == 0, "x must have an even number of features");
+  const int64_t T_ = x.size(0), d = x.size(1) / 2;
+  at::Tensor out = at::empty({T_, d}, x.options());
+  dispatch(x.scalar_type(), "silu_and_mul", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = x.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    const int64_t xs = x.stride(0);
+    at::parallel_for(0, T_, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const T* g = xp + t * xs;
+        const T* u = g + d;
+        T* o = op + t * d;
+        for (int64_t i = 0; i < d; ++i) {
+          const float gf = to_f(g[i]);
+          o[i] = from_f<T>(round_to<T>(gf / (1.0f + std::exp(-gf))) * to_f(u[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// Store each token's K and V rows ([tokens, Hkv * D], rows may be strided) at its slot of the
+// contiguous pools [num_blocks, block_size, Hkv, D]; a negative slot is padding and skipped.
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping) {
+  check_rows(key, "key");
+  check_rows(value, "value");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+              "caches must be contiguous and alike");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
+              "K/V must be in the cache dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == key.size(0) && value.size(0) == key.size(0),
+              "slot_mapping must be contiguous int64 [tokens]");
+  const int64_t row = k_cache.numel() / (k_cache.size(0) * k_cache.size(1));
+  TORCH_CHECK(key.size(1) == row && value.size(1) == row, "K/V rows must be Hkv * head_dim wide");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1), T_ = key.size(0);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T_; ++t) TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " outside the pool");
+  const int64_t bytes = row * key.element_size();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* kp = static_cast<const char*>(key.data_ptr());
+  const char* vp = static_cast<const char*>(value.data_ptr());
+  const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
+  for (int64_t t = 0; t < T_; ++t) {
+    if (slots[t] < 0) continue;
+    std::memcpy(kc + slots[t] * bytes, kp + t * ks, bytes);
+    std::memcpy(vc + slots[t] * bytes, vp + t * vs, bytes);
+  }
+}

@@ -1,0 +1,133 @@
+"""The fused CPU ops of a decoder layer (cpu_ops.cpp) against Hugging Face's Llama code (the
+independent oracle) and layers.py's torch code (their reference); the KV write against
+reference.write_kv."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from pagedserve import kernels
+from pagedserve.kernels import cpu, reference
+from pagedserve.worker.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+
+pytestmark = pytest.mark.skipif(cpu.extension() is None, reason="the C++ CPU kernel could not be built")
+
+DTYPES = [torch.float32, torch.bfloat16]
+ATOL = {torch.float32: 1e-5, torch.bfloat16: 0.0}
+
+
+def _norms(hidden: int, dtype: torch.dtype) -> tuple[RMSNorm, LlamaRMSNorm]:
+    ours, theirs = RMSNorm(hidden, 1e-5).to(dtype), LlamaRMSNorm(hidden, eps=1e-5).to(dtype)
+    weight = torch.randn(hidden).to(dtype)
+    ours.weight.data.copy_(weight)
+    theirs.weight.data.copy_(weight)
+    return ours, theirs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_rms_norm_matches_transformers(dtype, rows) -> None:
+    torch.manual_seed(rows)
+    ours, theirs = _norms(96, dtype)
+    x = (torch.randn(rows, 96) * 3).to(dtype)
+    assert kernels.fused_ops(x) is not None
+    out = ours(x)
+    torch.testing.assert_close(out, theirs(x), atol=ATOL[dtype], rtol=0)
+    with kernels.use_backend("torch"):
+        torch.testing.assert_close(out, ours(x), atol=ATOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm_updates_both_in_place(dtype) -> None:
+    torch.manual_seed(0)
+    ours, theirs = _norms(64, dtype)
+    wide = torch.randn(19, 100).to(dtype)
+    x = wide[:, :64]  # rows with a stride: the output of a projection's slice
+    residual = torch.randn(19, 64).to(dtype)
+    expected_residual = x + residual
+    expected = theirs(expected_residual)
+    out, new_residual = ours(x, residual)
+    assert out.data_ptr() == x.data_ptr() and new_residual.data_ptr() == residual.data_ptr()
+    assert torch.equal(new_residual, expected_residual)
+    torch.testing.assert_close(out, expected, atol=ATOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_rotary_matches_transformers_in_place_on_qkv_views(dtype, head_dim) -> None:
+    torch.manual_seed(head_dim)
+    q_heads, kv_heads, tokens = 6, 2, 23
+    rope = RotaryEmbedding(head_dim, 512, 10000.0)
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim).to(dtype)
+    q, k, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    v_before = v.clone()
+    positions = torch.randint(0, 512, (tokens,))
+    # Hugging Face: cos/sin of [half | half], rotate_half, in [B, H, T, D]
+    cos, sin = rope.cos_sin_cache[positions].chunk(2, dim=-1)
+    cos, sin = torch.cat([cos, cos], -1)[None].to(dtype), torch.cat([sin, sin], -1)[None].to(dtype)
+    hq = q.reshape(tokens, q_heads, head_dim).transpose(0, 1)[None]
+    hk = k.reshape(tokens, kv_heads, head_dim).transpose(0, 1)[None]
+    eq, ek = apply_rotary_pos_emb(hq, hk, cos, sin)
+    eq = eq[0].transpose(0, 1).reshape(tokens, -1)
+    ek = ek[0].transpose(0, 1).reshape(tokens, -1)
+    with kernels.use_backend("torch"):
+        rq, rk = rope(positions, q.clone(), k.clone())
+    oq, ok = rope(positions, q, k)
+    assert oq.data_ptr() == q.data_ptr() and ok.data_ptr() == k.data_ptr(), "rotated in place"
+    assert torch.equal(v, v_before)
+    for out, hf, ref in ((oq, eq, rq), (ok, ek, rk)):
+        torch.testing.assert_close(out, hf, atol=ATOL[dtype] or 1e-6, rtol=0)
+        torch.testing.assert_close(out, ref, atol=ATOL[dtype] or 1e-6, rtol=0)
+
+
+def test_rotary_rejects_a_position_outside_the_cache() -> None:
+    rope = RotaryEmbedding(16, 8, 10000.0)
+    q, k = torch.randn(2, 32), torch.randn(2, 16)
+    with pytest.raises(RuntimeError, match="outside the RoPE cache"):
+        rope(torch.tensor([3, 8]), q, k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype) -> None:
+    torch.manual_seed(1)
+    x = (torch.randn(33, 2 * 80) * 4).to(dtype)
+    gate, up = x.chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    out = SiluAndMul()(x)
+    assert out.shape == (33, 80) and out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-6)
+    else:  # at most one bf16 ulp, on few elements (the vectorized exp)
+        ulp = (expected.float().abs() * 2.0**-7).clamp_min(2.0**-126)
+        assert ((out.float() - expected.float()).abs() <= ulp).all()
+        assert (out != expected).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_matches_reference_with_padding_and_strided_rows(dtype) -> None:
+    torch.manual_seed(2)
+    blocks, block_size, heads, dim = 6, 4, 2, 16
+    kv = torch.randn(9, 3 * heads * dim).to(dtype)
+    key = kv[:, : heads * dim].view(9, heads, dim)
+    value = kv[:, heads * dim : 2 * heads * dim].view(9, heads, dim)
+    slots = torch.tensor([0, 5, -1, 23, 7, 12, -1, 3, 18])
+    caches = [torch.zeros(blocks, block_size, heads, dim, dtype=dtype) for _ in range(4)]
+    cpu.write_kv(key, value, caches[0], caches[1], slots)
+    reference.write_kv(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0].abs().sum() > 0
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu.write_kv(key, value, caches[0], caches[1], torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 24]))
+
+
+def test_fused_ops_follow_the_backend_and_the_switch(monkeypatch) -> None:
+    x = torch.randn(2, 8)
+    assert kernels.fused_ops(x) is not None
+    assert kernels.fused_ops(x.to(torch.int64)) is None
+    with kernels.use_backend("torch"):
+        assert kernels.fused_ops(x) is None
+    monkeypatch.setenv("PAGEDSERVE_CPU_FUSED", "0")
+    assert kernels.fused_ops(x) is None
