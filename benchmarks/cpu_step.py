@@ -87,8 +87,8 @@ def main() -> None:
     for _ in range(args.rounds):  # interleaved, so drift of the machine hits every variant alike
         for name, (fused, threads) in variants.items():
             os.environ["PAGEDSERVE_CPU_FUSED"] = fused
-            # threads None: the worker's own policy (one thread for steps of <= 8 tokens)
-            worker_module.SINGLE_THREAD_MAX_TOKENS = 8 if threads is None else 0
+            # threads None: the worker's own policy (its calibrated count for steps of <= 8 tokens)
+            worker_module.SMALL_STEP_TOKENS = 8 if threads is None else 0
             w.max_threads = threads or cores
             for wl, fn in workloads.items():
                 results[wl][name].append(fn())

@@ -35,7 +35,7 @@ from pagedserve.worker.models.llama import head_dim_of
 
 logger = logging.getLogger(__name__)
 
-SINGLE_THREAD_MAX_TOKENS = 8  # CPU steps of at most this many tokens run on one thread
+SMALL_STEP_TOKENS = 8  # CPU steps of at most this many tokens run on the calibrated thread count
 CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB: ~1,450 blocks of 16 tokens for SmolLM2-135M in fp32
 
 
@@ -72,6 +72,7 @@ class Worker:
         if self.device.type == "cpu":
             prepack_linear_weights(self.model)
         self.max_threads = torch.get_num_threads()
+        self.small_step_threads = self.max_threads  # see calibrate_threads
         self.eos_token_ids = tuple(eos_token_ids)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
         self.states: dict[str, _SeqState] = {}
@@ -151,6 +152,48 @@ class Worker:
             layer_slots=slot_of,
         )  # fmt: skip
         self.block_size = block_size
+        if self.device.type == "cpu" and self.tp_size == 1 and self.max_threads > 1:
+            self.calibrate_threads()
+
+    @torch.inference_mode()
+    def calibrate_threads(self, context: int = 128, repeats: int = 5) -> int:
+        """How many threads a CPU step of few tokens runs on: one or all, whichever decodes one
+        sequence faster here (measured, interleaved, median of `repeats`). Returns the choice.
+
+        With OMP_WAIT_POLICY=PASSIVE every parallel region of a step wakes the sleeping threads,
+        which can cost more than a second thread gives, and machines differ: on one without AMX
+        one thread won at batch 1 (18.5 against 26.5 ms); on a Sapphire Rapids VM with AMX, where
+        one core cannot pull the weights from memory fast enough, two won (26 against 38 ms).
+        Runs before any request (the pool's first blocks hold scratch KV that nothing reads later).
+        """
+        pool, bs = self.pool, self.block_size
+        assert pool is not None
+        context = min(context, (pool.num_blocks - 1) * bs)
+        if context < 1:
+            return self.small_step_threads
+        table = list(range(-(-(context + 1) // bs)))
+        tables = [[table] * len(self.kv_groups)]
+        meta = _metadata([ScheduledSeq("calibrate", [0] * context, 0, 0, tables[0], True)], tables, bs,
+                         self.device)  # fmt: skip
+        ids = torch.zeros(context, dtype=torch.int64, device=self.device)
+        self.model(ids, meta.positions, meta.attn, pool.kv_caches)
+        meta = _metadata([ScheduledSeq("calibrate", [0], context, 0, tables[0], True)], tables, bs,
+                         self.device)  # fmt: skip
+        one = torch.zeros(1, dtype=torch.int64, device=self.device)
+        times: dict[int, list[float]] = {1: [], self.max_threads: []}
+        for _ in range(repeats + 1):  # the first round warms up
+            for threads, samples in times.items():
+                torch.set_num_threads(threads)
+                t0 = time.perf_counter()
+                self.model.compute_logits(self.model(one, meta.positions, meta.attn, pool.kv_caches))
+                samples.append(time.perf_counter() - t0)
+        torch.set_num_threads(self.max_threads)
+        median = {k: sorted(v[1:])[len(v[1:]) // 2] for k, v in times.items()}
+        self.small_step_threads = min(median, key=median.get)
+        logger.info("steps of <= %d tokens run on %d thread(s): a decode step took %s",
+                    SMALL_STEP_TOKENS, self.small_step_threads,
+                    ", ".join(f"{1e3 * t:.1f} ms on {k}" for k, t in median.items()))  # fmt: skip
+        return self.small_step_threads
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -195,13 +238,13 @@ class Worker:
         return output
 
     def _size_threads(self, num_tokens: int) -> None:
-        """One thread for a step of few tokens, all of them for larger ones (CPU).
+        """The calibrated thread count for a step of few tokens, all threads for larger ones (CPU).
 
-        With OMP_WAIT_POLICY=PASSIVE each of a step's ~600 parallel regions wakes the sleeping
-        threads. SmolLM2 bf16 decode steps, one thread against two: batch 2 19.7 / 26.3 ms, batch 8
-        26.3 / 29.3 ms, batch 16 38.0 / 31.8 ms; prefill ran 1.7x faster on two.
+        On the machine without AMX (SmolLM2 bf16 decode, one thread against two, before the fused
+        ops): batch 2 19.7 / 26.3 ms, batch 8 26.3 / 29.3 ms, batch 16 38.0 / 31.8 ms; prefill ran
+        1.7x faster on two.
         """
-        threads = 1 if num_tokens <= SINGLE_THREAD_MAX_TOKENS else self.max_threads
+        threads = self.small_step_threads if num_tokens <= SMALL_STEP_TOKENS else self.max_threads
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
 

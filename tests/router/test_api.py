@@ -752,6 +752,11 @@ def test_metrics_parse_and_count(http: httpx2.Client, server: Server) -> None:
     assert total(m, "pagedserve:prefix_cache_hits", "pagedserve:prefix_cache_hits_total") > 0
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
         assert total(m, f"pagedserve:{name}", f"pagedserve:{name}_count") > 0
+    # engine step time by phase: every generated token took a step, and steps took model time
+    steps = total(m, "pagedserve:engine_steps", "pagedserve:engine_steps_total")
+    assert steps >= 8, steps
+    model_s = total(m, "pagedserve:engine_step_model_seconds", "pagedserve:engine_step_model_seconds_total")
+    assert 0 < model_s < steps * 10, (model_s, steps)
     decisions = {
         (s.labels["policy"], s.labels["outcome"]): s.value
         for s in m["pagedserve:router_decisions"]

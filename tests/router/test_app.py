@@ -10,6 +10,7 @@ from pagedserve.router.app import (
     app_builder,
     build_app,
     compact_kv_events,
+    cpu_threads_per_replica,
     serve_config_from_flags,
     served_model_name,
 )
@@ -84,6 +85,15 @@ def test_app_builder_takes_flat_args() -> None:
     assert isinstance(
         app_builder({"num_replicas": "1", "routing": "prefix", "max_model_len": "512"}), Application
     )
+
+
+def test_cpu_threads_leave_the_reserved_cores_to_the_serving_stack(monkeypatch) -> None:
+    assert cpu_threads_per_replica(1, cpus=2) == 1  # one core for the proxy, ingress and Ray
+    assert cpu_threads_per_replica(1, cpus=16) == 15
+    assert cpu_threads_per_replica(2, cpus=16) == 7
+    assert cpu_threads_per_replica(4, cpus=2) == 1  # never none
+    monkeypatch.setenv("PAGEDSERVE_CPU_RESERVED_CORES", "0")
+    assert cpu_threads_per_replica(1, cpus=2) == 2
 
 
 def test_served_model_name() -> None:

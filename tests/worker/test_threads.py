@@ -1,0 +1,61 @@
+"""The worker's thread count for CPU steps of few tokens: calibrated at start (one thread or all,
+whichever decoded faster), then applied to every such step; larger steps take all threads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedserve.plan import ScheduledSeq, StepPlan
+from pagedserve.worker import worker as worker_module
+from pagedserve.worker.worker import SMALL_STEP_TOKENS, Worker
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def _fake_clock(monkeypatch, slow_threads: int) -> None:
+    """perf_counter advancing 2 units around each forward on `slow_threads`, 1 on any other."""
+    now = [0.0]
+
+    def perf_counter() -> float:
+        now[0] += 1.0 if torch.get_num_threads() == slow_threads else 0.5
+        return now[0]
+
+    monkeypatch.setattr(worker_module.time, "perf_counter", perf_counter)
+
+
+@pytest.mark.parametrize("slow", [1, 2])
+def test_calibration_keeps_the_faster_count(tiny_engine_model: Path, two_threads, monkeypatch, slow) -> None:
+    w = Worker(str(tiny_engine_model), dtype="float32")
+    assert w.max_threads == 2
+    w.init_kv_pool(num_blocks=32, block_size=8)  # calibrates with the real clock: 1 or 2
+    assert w.small_step_threads in (1, 2)
+    _fake_clock(monkeypatch, slow)
+    assert w.calibrate_threads() == 3 - slow
+    assert torch.get_num_threads() == 2, "calibration leaves the full count set"
+
+
+def test_small_steps_run_on_the_calibrated_count(tiny_engine_model: Path, two_threads) -> None:
+    w = Worker(str(tiny_engine_model), dtype="float32")
+    w.init_kv_pool(num_blocks=32, block_size=8)
+    params = {"temperature": 0.0, "max_tokens": 4}
+    prompt = list(range(5, 5 + SMALL_STEP_TOKENS + 4))
+    outputs = {}
+    for small in (1, 2):
+        w.small_step_threads = small
+        w.states.clear()
+        w.execute(StepPlan([ScheduledSeq(f"r{small}", prompt, 0, 0, [[0, 1]], True,
+                                         new={"params": params, "prompt_token_ids": prompt})]))  # fmt: skip
+        assert torch.get_num_threads() == 2, "a prefill of more than SMALL_STEP_TOKENS takes all threads"
+        out = w.execute(StepPlan([ScheduledSeq(f"r{small}", [9], len(prompt), 2, [[]], True)]))
+        assert torch.get_num_threads() == small
+        outputs[small] = out.sampled[0].token_id
+    assert outputs[1] == outputs[2], "the thread count changes speed, not the greedy token"
