@@ -25,6 +25,11 @@ STATS = {
         "beam_blocks_logical": 12,
         "beam_block_steps_physical": 50,
         "beam_block_steps_logical": 120,
+        "num_steps": 70,
+        "step_model_s": 2.5,
+        "step_sample_s": 0.125,
+        "step_schedule_s": 0.25,
+        "step_other_s": 0.0625,
     },
     "r2": {
         "num_running": 0,
