@@ -16,20 +16,19 @@ recovery time (replacement node started -> its replica serving).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx2
 import pytest
 
 from pagedserve import localcluster
+from tests.clients import Stream, wait_until
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "local-cluster.yaml"
 ADMIN_TOKEN = "multinode-admin-token"
@@ -37,50 +36,6 @@ REQUEST_TIMEOUT_S = 60.0  # every request's deadline: nothing may hang
 STREAMS = 6  # in flight when the node is lost: 3 on each replica (max_num_seqs 4)
 STREAM_TOKENS = 200
 PROBE_WINDOW_S = 25.0  # new requests sent for this long after the kill
-
-
-@dataclass
-class Stream:
-    """One streamed completion, read in its own thread, with when things happened."""
-
-    prompt: str
-    tokens: int = 0  # chunks with text
-    usage_tokens: int | None = None  # completion tokens, as the final usage chunk counts them
-    finish_reason: str | None = None
-    error: dict | None = None
-    status: int | None = None
-    ended_at: float | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-
-    def run(self, base_url: str, max_tokens: int) -> None:
-        body = {"prompt": self.prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-        try:
-            url = f"{base_url}/v1/completions"
-            with httpx2.stream("POST", url, json=body, timeout=REQUEST_TIMEOUT_S) as r:
-                self.status = r.status_code
-                if r.status_code != 200:
-                    self.error = json.loads(r.read())["error"]
-                    return
-                for line in r.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[len("data: ") :])
-                    if "error" in event:
-                        self.error = event["error"]
-                        continue
-                    if event.get("usage"):
-                        self.usage_tokens = event["usage"]["completion_tokens"]
-                    if not event["choices"]:
-                        continue
-                    choice = event["choices"][0]
-                    self.tokens += bool(choice["text"]) or choice.get("finish_reason") is None
-                    self.finish_reason = choice.get("finish_reason") or self.finish_reason
-        except httpx2.HTTPError as exc:  # a deadline passed or the connection broke: not a clear error
-            self.error = {"code": "client_error", "message": repr(exc)}
-        finally:
-            self.ended_at = time.monotonic()
-            self.done.set()
 
 
 def complete(http: httpx2.Client, prompt: str, max_tokens: int = 4) -> httpx2.Response:
@@ -111,16 +66,6 @@ def burst(http: httpx2.Client, tag: str, n: int = 8, max_tokens: int = 4) -> lis
         replies = pool.map(lambda i: complete(http, f"{tag} {i}: the weather in city {i} is", max_tokens),
                            range(n))  # fmt: skip
         return [r.status_code for r in replies]
-
-
-def wait_for(what: str, check, timeout: float, period: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what}: not after {timeout:.0f} s"
-        time.sleep(period)
 
 
 def test_local_cluster_config_passes_ray_up_validation() -> None:
@@ -227,7 +172,8 @@ def _serve_lose_and_recover(cluster: localcluster.LocalCluster, http: httpx2.Cli
     from ray.util.state import list_actors
 
     # ---- the replicas are on the two worker nodes, one each, and both serve
-    on_nodes = wait_for("two replicas", lambda: len(found := replicas_by_node(http)) == 2 and found, 120)
+    on_nodes = wait_until(lambda: len(found := replicas_by_node(http)) == 2 and found, "two replicas", 120,
+                          period=0.5)
     workers = cluster.worker_raylets()
     assert set(on_nodes) == set(workers), (on_nodes.keys(), workers)
     actors = list_actors(address=cluster.dashboard_url, filters=[("state", "=", "ALIVE")], limit=1000)
@@ -242,12 +188,13 @@ def _serve_lose_and_recover(cluster: localcluster.LocalCluster, http: httpx2.Cli
         assert burst(http, "warm-up") == [200] * 8
         return all(r["generation_tokens"] > 0 for r in replicas_by_node(http).values())
 
-    wait_for("both replicas serving", both_served, 120, period=0)
+    wait_until(both_served, "both replicas serving", 120, period=0)
 
     # ---- streams on both replicas; then a node is lost: the busier one
     streams = [Stream(f"Node loss {i}: a long story about the number {i} begins") for i in range(STREAMS)]
     for s in streams:
-        threading.Thread(target=s.run, args=(base_url, STREAM_TOKENS), daemon=True).start()
+        threading.Thread(target=s.run, args=(base_url, STREAM_TOKENS), kwargs={"timeout": REQUEST_TIMEOUT_S},
+                         daemon=True).start()  # fmt: skip
 
     def victim() -> str | None:
         running = {node: r["num_running"] for node, r in replicas_by_node(http).items()}
@@ -255,7 +202,7 @@ def _serve_lose_and_recover(cluster: localcluster.LocalCluster, http: httpx2.Cli
             return None
         return max(running, key=running.get)
 
-    lost_node = wait_for("streams running on both replicas", victim, 120, period=0.1)
+    lost_node = wait_until(victim, "streams running on both replicas", 120, period=0.1)
     survivor_node = next(n for n in on_nodes if n != lost_node)
     time.sleep(1.0)  # its streams have tokens by now
     had_tokens = [s.tokens > 0 for s in streams]
@@ -315,15 +262,15 @@ def _serve_lose_and_recover(cluster: localcluster.LocalCluster, http: httpx2.Cli
 
     # ---- the admin API lists the node dead; the autoscaler replaces it, Serve starts the replica
     # there and the router sends it requests
-    wait_for("the lost node listed dead", lambda: "admin API lists the node dead" in timeline.at, 90)
-    wait_for("a replacement node", lambda: timeline.new_node, 120)
+    wait_until(lambda: "admin API lists the node dead" in timeline.at, "the lost node listed dead", 90, 0.5)
+    wait_until(lambda: timeline.new_node, "a replacement node", 120, 0.5)
 
     def new_replica_serves() -> bool:
         burst(http, "recovery")
         replica = replicas_by_node(http).get(timeline.new_node)
         return replica is not None and replica["generation_tokens"] > 0
 
-    wait_for("the replacement replica serving", new_replica_serves, 180, period=0)
+    wait_until(new_replica_serves, "the replacement replica serving", 180, period=0)
     timeline.mark("replacement replica serving")
     timeline.stopped.set()
     timeline.join(10)

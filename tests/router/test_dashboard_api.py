@@ -8,15 +8,14 @@ and headers. The browser side is tests/router/test_dashboard_browser.py.
 from __future__ import annotations
 
 import threading
-import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import httpx2
 import openai
 import pytest
 
+from tests.clients import wait_until
 from tests.router.conftest import NUM_REPLICAS, Server
 from tests.router.test_api import wait_until_idle
 
@@ -33,16 +32,6 @@ def admin(server: Server) -> httpx2.Client:
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=server.api_key, max_retries=0, timeout=120)
-
-
-def eventually(check: Callable[[], Any], what: str, timeout: float = 15.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def replicas(admin: httpx2.Client) -> dict[str, dict[str, Any]]:
@@ -114,7 +103,7 @@ def test_overview_shows_the_nodes_replicas_and_their_block_maps(admin: httpx2.Cl
         alive = [n for n in view["nodes"] if n["alive"]]
         return view if alive and all(n["host"] for n in alive) else None
 
-    view = eventually(probed, "every live node's host figures", timeout=60)
+    view = wait_until(probed, "every live node's host figures", timeout=60)
     nodes = {n["node_id"]: n for n in view["nodes"]}
     head = [n for n in view["nodes"] if n["is_head"]]
     assert len(head) == 1 and head[0]["cpus"] > 0 and head[0]["memory_bytes"] > 0
@@ -153,7 +142,7 @@ def test_block_map_and_counters_follow_requests_and_history_fills(admin: httpx2.
         tokens = served(admin, before, "generation_tokens")
         return tokens if sum(tokens.values()) >= generated else None
 
-    eventually(counted, f"{generated} more generation tokens in the replicas' stats")
+    wait_until(counted, f"{generated} more generation tokens in the replicas' stats")
     after = replicas(admin)
     hits = {rid: after[rid]["prefix_cache_hits"] - before[rid]["prefix_cache_hits"] for rid in before}
     assert sum(hits.values()) > 0  # the repeats were prefix hits
@@ -165,7 +154,7 @@ def test_block_map_and_counters_follow_requests_and_history_fills(admin: httpx2.
         return r["block_map"] if counts["c"] == r["cached_blocks"] > 0 and counts["u"] == 0 else None
 
     # the idle pool: the prompt's blocks are cached-free on the map as in the counters
-    bmap = eventually(idle_map, "the holder's map to show its cached blocks")
+    bmap = wait_until(idle_map, "the holder's map to show its cached blocks")
     assert bmap["cells"].count("c") == bmap["counts"]["c"] and bmap["counts"]["s"] == 0
 
     def charted() -> dict[str, Any] | None:
@@ -173,7 +162,7 @@ def test_block_map_and_counters_follow_requests_and_history_fills(admin: httpx2.
         series = history["replicas"].get(holder)
         return history if series and any((v or 0) > 0 for v in series["output_tokens_per_s"]) else None
 
-    history = eventually(charted, "an output rate in the holder's history", timeout=30)
+    history = wait_until(charted, "an output rate in the holder's history", timeout=30)
     series = history["replicas"][holder]
     assert len(series["t"]) == len(series["ttft_p50_s"]) and series["t"] == sorted(series["t"])
     assert any(v is not None and v > 0 for v in series["ttft_p50_s"])
@@ -189,16 +178,16 @@ def test_reset_empties_a_prefix_cache_so_the_next_repeat_misses(admin: httpx2.Cl
     session = uuid.uuid4().hex  # the repeat goes where the first went (see the test above)
     client.completions.create(model=server.model, prompt=prompt, max_tokens=4, user=session)
     client.completions.create(model=server.model, prompt=prompt, max_tokens=4, user=session)
-    hits = eventually(lambda: (h := served(admin, before, "prefix_cache_hits")) and sum(h.values()) and h,
+    hits = wait_until(lambda: (h := served(admin, before, "prefix_cache_hits")) and sum(h.values()) and h,
                       "the repeat's prefix hit")  # fmt: skip
     holder = max(hits, key=hits.__getitem__)
     reply = admin.post(f"/admin/api/replicas/{holder}/reset_prefix_cache")
     assert reply.status_code == 200, reply.text
     assert reply.json()["replica_id"] == holder and reply.json()["dropped_blocks"] >= 5
-    assert eventually(lambda: replicas(admin)[holder]["cached_blocks"] == 0, "no cached block after reset")
+    assert wait_until(lambda: replicas(admin)[holder]["cached_blocks"] == 0, "no cached block after reset")
     before = replicas(admin)
     client.completions.create(model=server.model, prompt=prompt, max_tokens=4)
-    queries = eventually(
+    queries = wait_until(
         lambda: (q := served(admin, before, "prefix_cache_queries")) and sum(q.values()) and q,
         "the next request's prefix lookup",
     )
@@ -213,29 +202,29 @@ def test_drain_sends_new_requests_to_the_other_replica(admin: httpx2.Client, cli
     try:
         reply = admin.post(f"/admin/api/replicas/{drained}/drain")
         assert reply.status_code == 200 and reply.json() == {"replica_id": drained, "draining": True}
-        assert eventually(lambda: replicas(admin)[drained]["draining"], "the drain mark")
+        assert wait_until(lambda: replicas(admin)[drained]["draining"], "the drain mark")
         before = replicas(admin)
         for _ in range(6):  # distinct prompts: pow2 would spread them over both replicas
             client.completions.create(model=server.model, prompt=prompt_of(2), max_tokens=4)
         queries = served(admin, before, "prefix_cache_queries")
         assert queries[drained] == 0 and served(admin, before, "generation_tokens")[drained] == 0, queries
-        assert eventually(lambda: served(admin, before, "generation_tokens")[other] >= 6 * 4 or None,
+        assert wait_until(lambda: served(admin, before, "generation_tokens")[other] >= 6 * 4 or None,
                           "the other replica's tokens")  # fmt: skip
         # with every replica draining a request is refused, not left waiting
         admin.post(f"/admin/api/replicas/{other}/drain")
         assert replicas(admin)[other]["drain_requested"]  # at once; the replica hears it next
-        assert eventually(lambda: replicas(admin)[other]["draining"], "the second replica's drain")
+        assert wait_until(lambda: replicas(admin)[other]["draining"], "the second replica's drain")
         with pytest.raises(openai.APIStatusError) as refused:
             client.completions.create(model=server.model, prompt=prompt_of(1), max_tokens=4)
         assert refused.value.status_code == 503 and "draining" in str(refused.value)
     finally:
         for rid in ids:
             admin.post(f"/admin/api/replicas/{rid}/undrain")
-    assert eventually(lambda: not any(r["draining"] for r in replicas(admin).values()), "the undrain")
+    assert wait_until(lambda: not any(r["draining"] for r in replicas(admin).values()), "the undrain")
     before = replicas(admin)
     for _ in range(12):  # undrained, it takes requests again (all 12 elsewhere: 2^-12 by chance)
         client.completions.create(model=server.model, prompt=prompt_of(2), max_tokens=4)
-    assert eventually(lambda: served(admin, before, "generation_tokens")[drained] > 0,
+    assert wait_until(lambda: served(admin, before, "generation_tokens")[drained] > 0,
                       "the undrained replica's tokens")  # fmt: skip
     assert admin.post("/admin/api/replicas/no-such-replica/drain").status_code == 404
 
@@ -255,14 +244,14 @@ def test_abort_ends_a_running_stream_with_finish_reason_abort(admin: httpx2.Clie
 
     thread = threading.Thread(target=stream, daemon=True)
     thread.start()
-    eventually(lambda: chunks, "the stream's first chunk")
+    wait_until(lambda: chunks, "the stream's first chunk")
     engine_id = f"{chunks[0].id}-0"  # the engine's id of the completion's first prompt
     # (a listing is up to ~100 ms old: it may still show the previous test's last request)
 
     def listing() -> list[dict[str, Any]]:
         return [r for r in admin.get("/admin/api/requests").json() if r["request_id"] == engine_id]
 
-    listed = eventually(listing, "the request in the in-flight list")
+    listed = wait_until(listing, "the request in the in-flight list")
     (request,) = listed
     assert request["prompt_tokens"] > 0 and request["replica_id"] in replicas(admin) and request["age_s"] >= 0
     reply = admin.post(f"/admin/api/requests/{request['request_id']}/abort")

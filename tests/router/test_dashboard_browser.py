@@ -12,18 +12,18 @@ from __future__ import annotations
 import os
 import subprocess
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx2
 import openai
 import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
+from tests.clients import wait_until
 from tests.router.conftest import NUM_REPLICAS, Server
 
 pytestmark = pytest.mark.slow
@@ -35,7 +35,6 @@ VIEWPORT = {"width": 1366, "height": 768}  # a laptop screen
 # ~120 tokens: seven full blocks of 16, so that a repeat of it is a prefix hit
 FILLER = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 9
 WAIT_S = 15.0  # for the page or the stats to catch up (stats are published every 0.1 s, polled every 1 s)
-T = TypeVar("T")
 
 # Everything the page shows of each replica, read through its data-testid hooks.
 READ_CARDS_JS = """() => Object.fromEntries(
@@ -49,17 +48,6 @@ READ_CARDS_JS = """() => Object.fromEntries(
     hit_rate: hit.dataset.value === '' ? null : +hit.dataset.value,
     generation_tokens: +card.dataset.generationTokens, draining: card.dataset.draining === 'true'}];
 }))"""
-
-
-def wait_until(probe: Callable[[], T], what: str, timeout: float = WAIT_S) -> T:
-    """probe()'s first truthy value, polled every 0.2 s; fails after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(0.2)
 
 
 @dataclass

@@ -5,16 +5,15 @@ back, the routers use it again, and every KV block is free at the end."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
 
 import httpx2
 import pytest
 
+from tests.clients import Stream
 from tests.router.conftest import MAX_NUM_SEQS, MAX_WAITING_REQUESTS, NUM_REPLICAS, Server
 from tests.router.test_api import metrics, wait_until_idle
 
@@ -23,40 +22,9 @@ pytestmark = pytest.mark.slow
 ENGINE_CLASS = "ServeReplica:pagedserve:EngineDeployment"
 
 
-@dataclass
-class Stream:
-    """One streamed completion, read in its own thread."""
-
-    prompt: str
-    tokens: int = 0
-    finish_reason: str | None = None
-    error: dict | None = None
-    status: int | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-
-    def run(self, server: Server, max_tokens: int) -> None:
-        body = {"model": server.model, "prompt": self.prompt, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True}  # fmt: skip
-        headers = {"Authorization": f"Bearer {server.api_key}"}
-        try:
-            with httpx2.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=headers,
-                               timeout=120) as r:  # fmt: skip
-                self.status = r.status_code
-                if r.status_code != 200:
-                    self.error = json.loads(r.read())["error"]
-                    return
-                for line in r.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[len("data: ") :])
-                    if "error" in event:
-                        self.error = event["error"]
-                        continue
-                    choice = event["choices"][0]
-                    self.tokens += bool(choice["text"]) or choice.get("finish_reason") is None
-                    self.finish_reason = choice.get("finish_reason") or self.finish_reason
-        finally:
-            self.done.set()
+def auth(server: Server) -> dict[str, str]:
+    """Stream.run's keywords for the test server: its model name and API key."""
+    return {"model": server.model, "api_key": server.api_key}
 
 
 def engine_replicas() -> list[int]:
@@ -111,7 +79,8 @@ def test_a_killed_replica_fails_only_its_streams_and_comes_back(server: Server, 
     # every replica full (MAX_NUM_SEQS running each) and some requests waiting for a slot
     n = NUM_REPLICAS * MAX_NUM_SEQS + MAX_WAITING_REQUESTS
     streams = [Stream(f"Fault test {i}: a long story about the number {i} begins") for i in range(n)]
-    threads = [threading.Thread(target=s.run, args=(server, 160), daemon=True) for s in streams]
+    threads = [threading.Thread(target=s.run, args=(server.base_url, 160), kwargs=auth(server), daemon=True)
+               for s in streams]  # fmt: skip
     for t in threads:
         t.start()
     # the victim: the replica running the most requests, once several streams have tokens
@@ -160,7 +129,8 @@ def test_a_killed_replica_fails_only_its_streams_and_comes_back(server: Server, 
     deadline = time.monotonic() + 180
     while True:
         burst = [Stream(f"Recovered {i}") for i in range(2 * MAX_NUM_SEQS)]
-        threads = [threading.Thread(target=s.run, args=(server, 16), daemon=True) for s in burst]
+        threads = [threading.Thread(target=s.run, args=(server.base_url, 16), kwargs=auth(server),
+                                    daemon=True) for s in burst]  # fmt: skip
         for t in threads:
             t.start()
         for s in burst:
