@@ -36,6 +36,7 @@ from pagedserve.kernels import reference
 logger = logging.getLogger(__name__)
 
 SOURCES = (Path(__file__).with_name("cpu_decode.cpp"), Path(__file__).with_name("cpu_ops.cpp"))
+HEADERS = (Path(__file__).with_name("cpu_vec.h"),)
 copy_blocks = reference.copy_blocks
 swap_blocks = reference.swap_blocks
 
@@ -43,7 +44,7 @@ swap_blocks = reference.swap_blocks
 def _build_dir() -> Path:
     from pagedserve.worker.loader import cache_dir
 
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + torch.__version__.encode()
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + torch.__version__.encode()
                          + _cpu_id().encode())
     return cache_dir() / "torch_extensions" / f"cpu_decode-{key.hexdigest()[:12]}"
 

@@ -6,8 +6,13 @@
 // bf16 and fp16 every intermediate the reference keeps in the model dtype is rounded here too
 // (the normalized row before the weight multiplies it, cos/sin cast to the model dtype, each
 // product of the rotation, the SiLU before the multiply). In bf16 the norms and the rotation
-// match the reference bit for bit; ~0.05% of SiLU outputs differ by one ulp (the compiler's
-// vectorized exp); in fp32 results differ by float rounding (sums taken in another order).
+// match the reference bit for bit; ~0.05% of SiLU outputs differ by one ulp (a polynomial exp);
+// in fp32 results differ by float rounding (sums taken in another order).
+//
+// fp32 and bf16 rows run in AVX-512 vectors of 16 (cpu_vec.h), the roundings included (torch's
+// round-to-nearest-even in integer ops). The scalar loops before, with a branch per bf16 rounding,
+// did not vectorize: for a 2048-token prefill chunk (30 layers, one thread) the norms took 158 ms,
+// the rotation 69 and SiLU-and-mul 161 of a 1188 ms step; vectorized 53, 33 and 110 ms.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -16,7 +21,17 @@
 #include <cstring>
 #include <type_traits>
 
+#include "cpu_vec.h"
+
 namespace {
+
+#if defined(__AVX512F__)
+template <typename T>
+constexpr bool kVec = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>;
+#else
+template <typename T>
+constexpr bool kVec = false;
+#endif
 
 inline float to_f(float v) { return v; }
 inline float to_f(at::BFloat16 v) {
@@ -65,23 +80,45 @@ void rms_rows(const T* x, int64_t xs, const T* w, T* out, int64_t os, int64_t T_
     std::vector<float> row(H);
     for (int64_t t = begin; t < end; ++t) {
       const T* xr = x + t * xs;
-      if (res != nullptr) {
-        // fused residual add: res <- round(x + res), then normalize res
-        T* rr = res + t * rs;
-        for (int64_t h = 0; h < H; ++h) {
+      T* rr = res != nullptr ? res + t * rs : nullptr;
+      T* orow = out + t * os;
+      int64_t h0 = 0;  // features [0, h0) done with vectors, the tail in scalar code
+      float ss = 0.0f;
+#if defined(__AVX512F__)
+      if constexpr (kVec<T>) {
+        __m512 vss = _mm512_setzero_ps();
+        for (; h0 + 16 <= H; h0 += 16) {
+          __m512 v = load16(xr + h0);
+          if (rr != nullptr) {
+            v = round16(T{}, _mm512_add_ps(v, load16(rr + h0)));
+            store16(rr + h0, v);
+          }
+          _mm512_storeu_ps(row.data() + h0, v);
+          vss = _mm512_fmadd_ps(v, v, vss);
+        }
+        ss = _mm512_reduce_add_ps(vss);
+      }
+#endif
+      for (int64_t h = h0; h < H; ++h) {
+        if (rr != nullptr) {
+          // fused residual add: res <- round(x + res), then normalize res
           const T sum = from_f<T>(to_f(xr[h]) + to_f(rr[h]));
           rr[h] = sum;
           row[h] = to_f(sum);
+        } else {
+          row[h] = to_f(xr[h]);
         }
-      } else {
-        for (int64_t h = 0; h < H; ++h) row[h] = to_f(xr[h]);
+        ss += row[h] * row[h];
       }
-      float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t h = 0; h < H; ++h) ss += row[h] * row[h];
       const float r = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
-      T* orow = out + t * os;
-      for (int64_t h = 0; h < H; ++h) orow[h] = from_f<T>(to_f(w[h]) * round_to<T>(row[h] * r));
+#if defined(__AVX512F__)
+      if constexpr (kVec<T>) {
+        const __m512 vr = _mm512_set1_ps(r);
+        for (int64_t h = 0; h < h0; h += 16)
+          store16(orow + h, _mm512_mul_ps(load16(w + h), round16(T{}, _mm512_mul_ps(_mm512_loadu_ps(row.data() + h), vr))));
+      }
+#endif
+      for (int64_t h = h0; h < H; ++h) orow[h] = from_f<T>(to_f(w[h]) * round_to<T>(row[h] * r));
     }
   });
 }
@@ -171,7 +208,19 @@ void rotary_neox(const at::Tensor& positions, at::Tensor& query, at::Tensor& key
           for (int64_t h = 0; h < heads; ++h) {
             T* x1 = x + t * stride + h * head_dim;
             T* x2 = x1 + half;
-            for (int64_t i = 0; i < half; ++i) {
+            int64_t i0 = 0;
+#if defined(__AVX512F__)
+            if constexpr (kVec<T>) {
+              const T tag{};
+              for (; i0 + 16 <= half; i0 += 16) {
+                const __m512 a = load16(x1 + i0), b = load16(x2 + i0);
+                const __m512 cv = _mm512_loadu_ps(c.data() + i0), sv = _mm512_loadu_ps(s.data() + i0);
+                store16(x1 + i0, _mm512_sub_ps(round16(tag, _mm512_mul_ps(a, cv)), round16(tag, _mm512_mul_ps(b, sv))));
+                store16(x2 + i0, _mm512_add_ps(round16(tag, _mm512_mul_ps(b, cv)), round16(tag, _mm512_mul_ps(a, sv))));
+              }
+            }
+#endif
+            for (int64_t i = i0; i < half; ++i) {
               const float a = to_f(x1[i]), b = to_f(x2[i]);
               const float r1 = round_to<T>(round_to<T>(a * c[i]) - round_to<T>(b * s[i]));
               const float r2 = round_to<T>(round_to<T>(b * c[i]) + round_to<T>(a * s[i]));
@@ -203,7 +252,23 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
         const T* g = xp + t * xs;
         const T* u = g + d;
         T* o = op + t * d;
-        for (int64_t i = 0; i < d; ++i) {
+        int64_t i0 = 0;
+#if defined(__AVX512F__)
+        if constexpr (kVec<T>) {
+          const __m512 one = _mm512_set1_ps(1.0f);
+          for (; i0 + 16 <= d; i0 += 16) {
+            const __m512 gv = load16(g + i0);
+            // g / (1 + exp(-g)): the reciprocal by rcp14 and one Newton step (~1e-8 relative), a
+            // division costs more than the rest of the loop together
+            const __m512 den = _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
+            __m512 inv = _mm512_rcp14_ps(den);
+            inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.0f)));
+            const __m512 silu = _mm512_mul_ps(gv, inv);
+            store16(o + i0, _mm512_mul_ps(round16(T{}, silu), load16(u + i0)));
+          }
+        }
+#endif
+        for (int64_t i = i0; i < d; ++i) {
           const float gf = to_f(g[i]);
           o[i] = from_f<T>(round_to<T>(gf / (1.0f + std::exp(-gf))) * to_f(u[i]));
         }
