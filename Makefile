@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: install test test-fast test-reliability lint serve local-cluster local-cluster-down bench bench-step bench-peers clean
+.PHONY: install test test-fast test-reliability lint serve local-cluster local-cluster-down bench bench-step bench-kernels bench-peers clean
 
 install: $(STAMP)
 
@@ -64,6 +64,10 @@ bench: install
 # Engine step times on CPU in process: fused C++ ops against layers.py's torch code, 1 or 2 threads
 bench-step: install
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python benchmarks/cpu_step.py
+
+# The C++ CPU kernels (decode attention, fused elementwise ops) against the torch code they replace
+bench-kernels: install
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python benchmarks/cpu_kernels.py
 
 # pagedserve against vLLM's CPU build, both driven by `vllm bench serve` (see benchmarks/peers.py);
 # ~1 hour for all workloads in both dtypes. PEERS_ARGS="--workloads c16 c1 --dtypes float32" for less.

@@ -236,3 +236,13 @@ async def _final_text(engine: AsyncEngine, prompt: str) -> str:
     async for out in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=8)):
         last = out
     return last.outputs[0].text
+
+
+def test_a_private_ray_runs_its_workers_at_the_drivers_niceness(ray_session) -> None:
+    # Ray's default puts workers at nice 15, where an engine's model thread loses its core to
+    # every ordinary process that wakes; init_ray asks for nice 0 (relative to the driver's own)
+    @ray.remote(num_cpus=0)
+    def niceness() -> int:
+        return os.nice(0)
+
+    assert ray.get(niceness.remote(), timeout=120) == os.nice(0)
