@@ -115,22 +115,56 @@ inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
 }
 
+// The shapes, strides and pointers of one paged_decode call (layout above), and the steps every
+// kernel takes per sequence: its visible keys, its blocks, its output rows.
+template <typename T>
+struct Paged {
+  int64_t B, Hq, D, num_blocks, bs, Hkv, G, max_blocks, qs_b, qs_h, os_b, os_h, row_stride, block_stride;
+  const T* qp;
+  const T* kp;
+  const T* vp;
+  const int32_t* tables;
+  const int32_t* lens;
+  T* op;
+
+  Paged(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+        const at::Tensor& seq_lens, at::Tensor& out)
+      : B(q.size(0)), Hq(q.size(1)), D(q.size(2)), num_blocks(k_cache.size(0)), bs(k_cache.size(1)),
+        Hkv(k_cache.size(2)), G(Hq / Hkv), max_blocks(block_tables.size(1)), qs_b(q.stride(0)),
+        qs_h(q.stride(1)), os_b(out.stride(0)), os_h(out.stride(1)), row_stride(Hkv * D),
+        block_stride(bs * Hkv * D), qp(q.data_ptr<T>()), kp(k_cache.data_ptr<T>()), vp(v_cache.data_ptr<T>()),
+        tables(block_tables.data_ptr<int32_t>()), lens(seq_lens.data_ptr<int32_t>()), op(out.data_ptr<T>()) {}
+
+  // The first key sequence b sees (its last is lens[b] - 1): all of them, or the window's.
+  int64_t first_key(int64_t b, int64_t window) const {
+    return window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+  }
+
+  // The output rows of a sequence that sees no key: zeros.
+  void store_zeros(int64_t b) const {
+    for (int64_t h = 0; h < Hq; ++h)
+      for (int64_t d = 0; d < D; ++d) op[b * os_b + h * os_h + d] = T(0.0f);
+  }
+
+  // The pool index of entry j of sequence b's block table, clamped into the pool.
+  int64_t block(int64_t b, int64_t j) const {
+    return std::min<int64_t>(std::max<int32_t>(tables[b * max_blocks + j], 0), num_blocks - 1);
+  }
+
+  // Sequence b's output rows: acc [Hq, D], each head's row times inv[head].
+  void store(int64_t b, const float* acc, const float* inv) const {
+    for (int64_t hq = 0; hq < Hq; ++hq)
+      for (int64_t d = 0; d < D; ++d) op[b * os_b + hq * os_h + d] = T(acc[hq * D + d] * inv[hq]);
+  }
+};
+
 template <typename T>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out, double scale,
             int64_t window) {
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), Hkv = k_cache.size(2);
-  const int64_t G = Hq / Hkv, max_blocks = block_tables.size(1);
-  const int64_t qs_b = q.stride(0), qs_h = q.stride(1);
-  const int64_t os_b = out.stride(0), os_h = out.stride(1);
-  const int64_t row_stride = Hkv * D, block_stride = bs * Hkv * D;
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  T* op = out.data_ptr<T>();
+  const Paged<T> pg(q, k_cache, v_cache, block_tables, seq_lens, out);
+  const int64_t B = pg.B, Hq = pg.Hq, D = pg.D, bs = pg.bs, Hkv = pg.Hkv, G = pg.G;
+  const int64_t row_stride = pg.row_stride, block_stride = pg.block_stride;
   const float fscale = static_cast<float>(scale);
 
   // One task per sequence: its blocks are read whole and in order (K, then V), every KV head of a
@@ -138,30 +172,23 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(Hq * D), acc(Hq * D), row(Hkv * D), scores, inv(Hq);
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t len = lens[b];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = len - start;
+      const int64_t len = pg.lens[b], start = pg.first_key(b, window), n = len - start;
       if (n <= 0) {
-        for (int64_t h = 0; h < Hq; ++h)
-          for (int64_t d = 0; d < D; ++d) op[b * os_b + h * os_h + d] = T(0.0f);
+        pg.store_zeros(b);
         continue;
       }
       for (int64_t h = 0; h < Hq; ++h) {
-        to_float(qp + b * qs_b + h * qs_h, qf.data() + h * D, D);
+        to_float(pg.qp + b * pg.qs_b + h * pg.qs_h, qf.data() + h * D, D);
         for (int64_t d = 0; d < D; ++d) qf[h * D + d] *= fscale;
       }
       scores.resize(Hq * n);
-      const int32_t* table = tables + b * max_blocks;
       const int64_t first_block = start / bs, last_block = (len - 1) / bs;
-      auto block_at = [&](int64_t j) {
-        return std::min<int64_t>(std::max<int32_t>(table[j], 0), num_blocks - 1);
-      };
       for (int pass = 0; pass < 2; ++pass) {
-        const T* cache = pass == 0 ? kp : vp;
+        const T* cache = pass == 0 ? pg.kp : pg.vp;
         if (pass == 1) std::fill(acc.begin(), acc.end(), 0.0f);
         for (int64_t j = first_block; j <= last_block; ++j) {
-          const T* blk = cache + block_at(j) * block_stride;
-          if (j < last_block) prefetch(cache + block_at(j + 1) * block_stride, block_stride * sizeof(T));
+          const T* blk = cache + pg.block(b, j) * block_stride;
+          if (j < last_block) prefetch(cache + pg.block(b, j + 1) * block_stride, block_stride * sizeof(T));
           const int64_t t0 = std::max(start, j * bs), t1 = std::min(len, (j + 1) * bs);
 #if defined(__AVX512F__)
           if constexpr (kVectorized<T>) {
@@ -195,8 +222,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         if (pass == 0)
           for (int64_t hq = 0; hq < Hq; ++hq) inv[hq] = 1.0f / exp_shifted(scores.data() + hq * n, n);
       }
-      for (int64_t hq = 0; hq < Hq; ++hq)
-        for (int64_t d = 0; d < D; ++d) op[b * os_b + hq * os_h + d] = T(acc[hq * D + d] * inv[hq]);
+      pg.store(b, acc.data(), inv.data());
     }
   });
 }
@@ -269,57 +295,46 @@ void decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
                  const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out, double scale,
                  int64_t window) {
   using T = at::BFloat16;
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), Hkv = k_cache.size(2);
-  const int64_t G = Hq / Hkv, max_blocks = block_tables.size(1);
-  const int64_t qs_b = q.stride(0), qs_h = q.stride(1);
-  const int64_t os_b = out.stride(0), os_h = out.stride(1);
-  const int64_t row_stride = Hkv * D, block_stride = bs * Hkv * D;
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  T* op = out.data_ptr<T>();
+  const Paged<T> pg(q, k_cache, v_cache, block_tables, seq_lens, out);
+  const int64_t B = pg.B, Hq = pg.Hq, D = pg.D, bs = pg.bs, Hkv = pg.Hkv, G = pg.G;
+  const int64_t row_stride = pg.row_stride, block_stride = pg.block_stride;
+  const int64_t qs_h = pg.qs_h;  // locals: the vector stores below may alias pg's fields
+  const T* kp = pg.kp;
+  const T* vp = pg.vp;
   const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
   const int64_t nc = D / 32, ch = (D / 16) % 4 == 0 ? 4 : 2;  // D % 32 == 0
+  const int64_t block_lines = (block_stride * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  // part i of `parts` of the block at p, asked for ahead of use: blocks sit at random places in
+  // the pool, and one prefetch burst of a whole block stalls on the fill buffers
+  auto prefetch_part = [block_lines](const T* p, int64_t i, int64_t parts) {
+    const char* c = reinterpret_cast<const char*>(p);
+    for (int64_t l = block_lines * i / parts; l < block_lines * (i + 1) / parts; ++l)
+      __builtin_prefetch(c + 64 * l, 0, 3);
+  };
 
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(Hq * D), scores, inv(Hq);
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t len = lens[b];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = len - start;
+      const int64_t len = pg.lens[b], start = pg.first_key(b, window), n = len - start;
       if (n <= 0) {
-        for (int64_t h = 0; h < Hq; ++h)
-          for (int64_t d = 0; d < D; ++d) op[b * os_b + h * os_h + d] = T(0.0f);
+        pg.store_zeros(b);
         continue;
       }
-      const T* qb = qp + b * qs_b;
+      const T* qb = pg.qp + b * pg.qs_b;
       scores.resize(Hq * n);
-      const int32_t* table = tables + b * max_blocks;
       const int64_t first_block = start / bs, last_block = (len - 1) / bs;
-      auto block_at = [&](int64_t j) {
-        return std::min<int64_t>(std::max<int32_t>(table[j], 0), num_blocks - 1);
-      };
-      const int64_t block_bytes = block_stride * sizeof(T);
-      // part i of n of the block at p, asked for ahead of use: blocks sit at random places in the
-      // pool, and one prefetch burst of a whole block stalls on the fill buffers
-      auto prefetch_part = [&](const char* p, int64_t i, int64_t parts) {
-        const int64_t lines = (block_bytes + 63) / 64;
-        for (int64_t l = lines * i / parts; l < lines * (i + 1) / parts; ++l) __builtin_prefetch(p + 64 * l, 0, 3);
-      };
       for (int64_t j = first_block; j <= last_block; ++j) {  // scores
-        const T* blk = kp + block_at(j) * block_stride;
-        const char* next = j < last_block ? reinterpret_cast<const char*>(kp + block_at(j + 1) * block_stride)
-                                          : (j == last_block ? reinterpret_cast<const char*>(vp + block_at(first_block) * block_stride) : nullptr);
+        const T* blk = kp + pg.block(b, j) * block_stride;
+        // ahead: the next K block, or after the last one the first V block
+        const T* next = (j < last_block ? kp + pg.block(b, j + 1) * block_stride
+                                        : vp + pg.block(b, first_block) * block_stride);
         const int64_t t0 = std::max(start, j * bs), t1 = std::min(len, (j + 1) * bs);
         for (int64_t c0 = t0; c0 < t1; c0 += 16) {
           const int64_t count = std::min<int64_t>(t1 - c0, 16);
           const __mmask16 mask = count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
           const T* rows = blk + (c0 - j * bs) * row_stride;
           for (int64_t hq = 0; hq < Hq; ++hq) {
-            if (next) prefetch_part(next, hq, Hq);
+            prefetch_part(next, hq, Hq);
             const T* qh = qb + hq * qs_h;
             const T* kh = rows + (hq / G) * D;
             __m512 s;
@@ -337,8 +352,8 @@ void decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       for (int64_t hq = 0; hq < Hq; ++hq) inv[hq] = 1.0f / exp_shifted(scores.data() + hq * n, n);
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t j = first_block; j <= last_block; ++j) {  // P . V
-        const T* blk = vp + block_at(j) * block_stride;
-        const char* next = j < last_block ? reinterpret_cast<const char*>(vp + block_at(j + 1) * block_stride) : nullptr;
+        const T* blk = vp + pg.block(b, j) * block_stride;
+        const T* next = j < last_block ? vp + pg.block(b, j + 1) * block_stride : nullptr;
         const int64_t t0 = std::max(start, j * bs), t1 = std::min(len, (j + 1) * bs);
         const T* rows = blk + (t0 - j * bs) * row_stride;
         for (int64_t h = 0; h < Hkv; ++h) {
@@ -355,8 +370,7 @@ void decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
           }
         }
       }
-      for (int64_t hq = 0; hq < Hq; ++hq)
-        for (int64_t d = 0; d < D; ++d) op[b * os_b + hq * os_h + d] = T(acc[hq * D + d] * inv[hq]);
+      pg.store(b, acc.data(), inv.data());
     }
   });
 }
