@@ -17,6 +17,7 @@ Prints the median time of each and the speedup; the last line is a JSON object o
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -83,7 +84,6 @@ def elementwise_cases(dtype: torch.dtype, rows: int = 2048) -> dict[str, dict[st
 
 def _unfused(fn: Callable[[], object]) -> Callable[[], object]:
     """fn with the fused ops off (layers.py's torch code)."""
-    import os
 
     def run() -> object:
         os.environ["PAGEDSERVE_CPU_FUSED"] = "0"

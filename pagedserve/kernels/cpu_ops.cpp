@@ -114,8 +114,10 @@ void rms_rows(const T* x, int64_t xs, const T* w, T* out, int64_t os, int64_t T_
 #if defined(__AVX512F__)
       if constexpr (kVec<T>) {
         const __m512 vr = _mm512_set1_ps(r);
-        for (int64_t h = 0; h < h0; h += 16)
-          store16(orow + h, _mm512_mul_ps(load16(w + h), round16(T{}, _mm512_mul_ps(_mm512_loadu_ps(row.data() + h), vr))));
+        for (int64_t h = 0; h < h0; h += 16) {
+          const __m512 normed = round16(T{}, _mm512_mul_ps(_mm512_loadu_ps(row.data() + h), vr));
+          store16(orow + h, _mm512_mul_ps(load16(w + h), normed));
+        }
       }
 #endif
       for (int64_t h = h0; h < H; ++h) orow[h] = from_f<T>(to_f(w[h]) * round_to<T>(row[h] * r));
@@ -215,8 +217,9 @@ void rotary_neox(const at::Tensor& positions, at::Tensor& query, at::Tensor& key
               for (; i0 + 16 <= half; i0 += 16) {
                 const __m512 a = load16(x1 + i0), b = load16(x2 + i0);
                 const __m512 cv = _mm512_loadu_ps(c.data() + i0), sv = _mm512_loadu_ps(s.data() + i0);
-                store16(x1 + i0, _mm512_sub_ps(round16(tag, _mm512_mul_ps(a, cv)), round16(tag, _mm512_mul_ps(b, sv))));
-                store16(x2 + i0, _mm512_add_ps(round16(tag, _mm512_mul_ps(b, cv)), round16(tag, _mm512_mul_ps(a, sv))));
+                auto rounded = [tag](__m512 x, __m512 y) { return round16(tag, _mm512_mul_ps(x, y)); };
+                store16(x1 + i0, _mm512_sub_ps(rounded(a, cv), rounded(b, sv)));
+                store16(x2 + i0, _mm512_add_ps(rounded(b, cv), rounded(a, sv)));
               }
             }
 #endif
