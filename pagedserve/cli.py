@@ -134,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--address", default=None, help="join this Ray cluster (default: start a private local Ray)"
     )
+    serve.add_argument(
+        "--engine-process", action=argparse.BooleanOptionalAction, default=None,
+        help="run a one-rank engine's scheduler and model in a process of their own beside the replica "
+        "(default; --no-engine-process: on a thread of the replica)",
+    )  # fmt: skip
     limits = serve.add_argument_group("request limits (400 past them; 413 / 408 for the body)")
     limits.add_argument("--max-body-bytes", type=parse_size, default=None, help="request body size (8MiB)")
     limits.add_argument("--body-timeout-s", type=float, default=None, help="time to send the body (30)")

@@ -175,6 +175,9 @@ class ServeConfig:
     proxy_location: str = "EveryNode"
     address: str | None = None  # RAY_ADDRESS to join; None starts a private local Ray
     max_waiting_requests: int = 256  # per replica; past it, 503 with Retry-After
+    # a one-rank engine's scheduler and model run in a child process of the replica (vLLM's
+    # EngineCore), with a GIL of their own; False keeps them on a thread of the replica
+    engine_process: bool = True
     # Request limits at the HTTP front (400 past them; the defaults are the engine's own caps)
     max_body_bytes: int = 8 << 20  # a larger body gets 413
     body_timeout_s: float = 30.0  # a body trickled slower than this gets 408 (slow-loris)

@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ from pagedserve.cluster.outputs import (
     CompletionOutput,
     IncrementalDetokenizer,
     Logprob,
+    OutputDeltas,
     RequestMetrics,
     RequestOutput,
     find_stop_string,
@@ -542,6 +544,21 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    async def generate_deltas(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
+        """``generate`` as the small deltas the ingress takes (``OutputDeltas``)."""
+        deltas = OutputDeltas()
+        async with aclosing(self.generate(prompt, params, request_id, **kwargs)) as outputs:
+            async for out in outputs:
+                yield deltas.delta(out)
+
+    @property
+    def alive(self) -> str | None:
+        """None while the step loop runs, else why it stopped."""
+        return None if self._thread.is_alive() or self._stopped else "the engine's step loop died"
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -118,3 +120,88 @@ def find_stop_string(text: str, delta_len: int, stops: list[str]) -> tuple[str, 
         if idx != -1 and (best is None or idx < best[1]):
             best = (stop, idx)
     return best
+
+
+# Logprobs can be -inf (a token the model rules out); JSON has no infinity, vLLM sends this instead.
+MIN_LOGPROB = -9999.0
+
+
+class OutputDeltas:
+    """Turns one request's cumulative RequestOutputs into the small deltas sent to the ingress.
+
+    A delta is {"outputs": [sample...], "finished", "num_prompt_tokens", "num_cached_tokens"} where
+    each sample that changed is {"index", "text_start", "text", "token_ids", "logprobs",
+    "finish_reason", "stop_reason"}: the receiver's text becomes ``text[:text_start] + text``
+    (a stop string can cut text already sent here, so a delta may rewrite the tail), token ids and
+    logprobs are the new ones only. A logprobs entry is [[token_id, logprob, rank], ...] with the
+    sampled token first, then the top tokens by rank.
+    """
+
+    __slots__ = ("_tokens", "_texts", "_finished")
+
+    def __init__(self) -> None:
+        self._tokens: dict[int, int] = {}
+        self._texts: dict[int, str] = {}
+        self._finished: set[int] = set()
+
+    def delta(self, out: RequestOutput) -> dict[str, Any]:
+        samples = []
+        for o in out.outputs:
+            sent = self._tokens.get(o.index, 0)
+            done = o.finish_reason is not None
+            if len(o.token_ids) == sent and (not done or o.index in self._finished):
+                continue
+            old = self._texts.get(o.index, "")
+            start = len(old) if o.text.startswith(old) else _common_prefix_len(old, o.text)
+            samples.append({
+                "index": o.index, "text_start": start, "text": o.text[start:],
+                "token_ids": o.token_ids[sent:],
+                "logprobs": None if o.logprobs is None else [_plain_logprobs(e) for e in o.logprobs[sent:]],
+                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
+            })  # fmt: skip
+            self._tokens[o.index] = len(o.token_ids)
+            self._texts[o.index] = o.text
+            if done:
+                self._finished.add(o.index)
+        return {"outputs": samples, "finished": out.finished, "num_prompt_tokens": len(out.prompt_token_ids),
+                "num_cached_tokens": out.num_cached_tokens}  # fmt: skip
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _plain_logprobs(entry: dict[int, Any]) -> list[list[Any]]:
+    return [[tid, clamp_logprob(lp.logprob), lp.rank] for tid, lp in entry.items()]
+
+
+def clamp_logprob(value: float) -> float:
+    return value if math.isfinite(value) else MIN_LOGPROB
+
+
+def merge_deltas(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """One delta with the effect of applying ``first`` and then ``then`` (both of one request).
+
+    A consumer that fell behind sends one message instead of several. Text follows the
+    ``text_start`` rule: where ``then`` cuts into what ``first`` added, the cut wins.
+    """
+    merged = {s["index"]: dict(s) for s in first["outputs"]}
+    for s in then["outputs"]:
+        a = merged.get(s["index"])
+        if a is None:
+            merged[s["index"]] = dict(s)
+            continue
+        if s["text_start"] >= a["text_start"]:
+            a["text"] = a["text"][: s["text_start"] - a["text_start"]] + s["text"]
+        else:
+            a["text_start"], a["text"] = s["text_start"], s["text"]
+        a["token_ids"] = a["token_ids"] + s["token_ids"]
+        if a["logprobs"] is not None or s["logprobs"] is not None:
+            a["logprobs"] = (a["logprobs"] or []) + (s["logprobs"] or [])
+        if s["finish_reason"] is not None:
+            a["finish_reason"], a["stop_reason"] = s["finish_reason"], s["stop_reason"]
+    return {**then, "outputs": list(merged.values())}

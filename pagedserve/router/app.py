@@ -43,7 +43,7 @@ from pagedserve.cluster.executor import cpus_per_rank
 from pagedserve.config import ConfigError, EngineConfig, ServeConfig
 from pagedserve.router.api import Limits, ModelInfo, build_api
 from pagedserve.router.metrics import IngressMetrics
-from pagedserve.router.protocol import RETRY_AFTER_S, OpenAIError, OutputDeltas, overloaded
+from pagedserve.router.protocol import RETRY_AFTER_S, OpenAIError, overloaded
 from pagedserve.router.telemetry import LatencyWindow, RateWindow, block_map
 
 logger = logging.getLogger(__name__)
@@ -99,14 +99,21 @@ def compact_kv_events(events: list[tuple[str, list[int]]]) -> list[tuple[str, li
 class EngineDeployment:
     """One engine replica: an AsyncEngine in this process, streamed to the ingress as deltas."""
 
-    def __init__(self, engine_flags: dict[str, Any], max_waiting_requests: int, torch_threads: int) -> None:
-        import torch
-
-        from pagedserve.cluster.engine import AsyncEngine
-
-        torch.set_num_threads(torch_threads)
+    async def __init__(self, engine_flags: dict[str, Any], max_waiting_requests: int, torch_threads: int,
+                       engine_process: bool = True) -> None:  # fmt: skip
         config = EngineConfig.from_flags(**engine_flags)
-        self.engine = AsyncEngine(config)
+        if engine_process and not config.parallel.uses_ray:
+            from pagedserve.cluster.engine_process import EngineProcess
+
+            # the scheduler and model in a process of their own: no GIL shared with Serve's loops
+            self.engine: Any = await EngineProcess.start(engine_flags, torch_threads=torch_threads)
+        else:  # a tensor-parallel group's ranks are processes already: the loop stays in a thread
+            import torch
+
+            from pagedserve.cluster.engine import AsyncEngine
+
+            torch.set_num_threads(torch_threads)
+            self.engine = await asyncio.to_thread(AsyncEngine, config)
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_waiting_requests = max_waiting_requests
         self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -133,6 +140,7 @@ class EngineDeployment:
         """
         from pagedserve.cluster.block_manager import RequestTooLong
         from pagedserve.cluster.engine import InvalidPrompt
+        from pagedserve.cluster.engine_process import EngineProcessDied
         from pagedserve.cluster.executor import RankFailure
         from pagedserve.sampling import SamplingParams, SamplingParamsError
 
@@ -145,7 +153,6 @@ class EngineDeployment:
                              "waiting; retry later").to_dict()  # fmt: skip
             return
         self._inflight += 1
-        deltas = OutputDeltas()
         request_id = request["request_id"]
         started = time.monotonic()
         seen = {"prompt_tokens": len(request["prompt_token_ids"]), "output_tokens": 0,
@@ -154,25 +161,30 @@ class EngineDeployment:
         last = started
         try:
             params = SamplingParams.from_dict(request["params"])
-            outputs = self.engine.generate(
+            outputs = self.engine.generate_deltas(
                 {"prompt_token_ids": request["prompt_token_ids"]}, params, request_id,
                 priority=request.get("priority", 0), cache_salt=request.get("cache_salt"),
             )  # fmt: skip
             async with aclosing(outputs):
-                async for out in outputs:
-                    tokens = sum(len(o.token_ids) for o in out.outputs)
-                    if tokens > seen["output_tokens"]:
+                async for delta in outputs:
+                    new_tokens = sum(len(o["token_ids"]) for o in delta["outputs"])
+                    if new_tokens:
                         now = time.monotonic()
                         if seen["output_tokens"] == 0:
                             self._ttft.add(now - started, now)
                         else:  # the gap, per token when one delta carries several
-                            self._itl.add((now - last) / (tokens - seen["output_tokens"]), now)
-                        seen["output_tokens"], last = tokens, now
-                    yield deltas.delta(out)
+                            self._itl.add((now - last) / new_tokens, now)
+                        seen["output_tokens"], last = seen["output_tokens"] + new_tokens, now
+                    yield delta
         except SamplingParamsError as exc:
             yield OpenAIError(400, str(exc), param=exc.param).to_dict()
         except (InvalidPrompt, RequestTooLong) as exc:
             yield OpenAIError(400, str(exc), param="prompt").to_dict()
+        except EngineProcessDied as exc:  # health checks fail next: Serve replaces this replica
+            yield OpenAIError(
+                503, f"engine replica {self.replica_id}: {exc}", code="engine_restarting",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ).to_dict()  # fmt: skip
         except RankFailure as exc:  # the replica rebuilds its group and serves the next requests
             yield OpenAIError(
                 503, f"engine replica {self.replica_id}: {exc}", code="engine_restarting",
@@ -193,8 +205,15 @@ class EngineDeployment:
     async def record_routing_stats(self) -> dict[str, Any]:
         """Serve's per-replica routing stats (RunningReplica.routing_stats in the router)."""
         stats = self.engine.stats()
+        # a replica whose engine died is passed over until Serve replaces it (check_health)
+        draining = self._draining or self.engine.alive is not None
         return {"num_running": stats.num_running, "num_waiting": stats.num_waiting,
-                "kv_cache_usage": stats.kv_cache_usage, "draining": self._draining}  # fmt: skip
+                "kv_cache_usage": stats.kv_cache_usage, "draining": draining}  # fmt: skip
+
+    def check_health(self) -> None:
+        """Serve's periodic health check: a replica whose engine is gone gets replaced."""
+        if self.engine.alive is not None:
+            raise RuntimeError(self.engine.alive)
 
     async def health(self) -> dict[str, Any]:
         """This replica's load, for the ingress's /health (proves a replica answers)."""
@@ -227,7 +246,7 @@ class EngineDeployment:
              "age_s": round(wall - r["started"], 3)}
             for rid, r in list(self._requests.items())[:MAX_LISTED_REQUESTS]
         ]  # fmt: skip
-        executor = self.engine.engine.executor
+        executor = getattr(getattr(self.engine, "engine", None), "executor", None)  # a thread's engine
         ranks = [{"rank": rank, "node_id": node, "pid": pid}
                  for rank, (node, pid) in enumerate(zip(getattr(executor, "node_ids", []),
                                                         getattr(executor, "pids", [])))]  # fmt: skip
@@ -311,6 +330,10 @@ class EngineDeployment:
     async def __del__(self) -> None:
         from pagedserve.router.state import drop_replica
 
+        if not hasattr(self, "_publisher"):  # stopped inside its constructor: nothing published yet
+            if hasattr(self, "engine"):
+                await asyncio.to_thread(self.engine.shutdown)
+            return
         self._publisher.cancel()
         try:
             await drop_replica(self.replica_id)
@@ -526,7 +549,7 @@ def build_app(serve_config: ServeConfig) -> Application:
         max_queued_requests=cfg.max_waiting_requests * cfg.num_replicas,
         request_router_config=RequestRouterConfig(**router_options),
         **engine_resources(cfg, env),
-    ).bind(cfg.engine.to_flags(), cfg.max_waiting_requests, threads)
+    ).bind(cfg.engine.to_flags(), cfg.max_waiting_requests, threads, cfg.engine_process)
     return OpenAIIngress.options(
         num_replicas=1,
         # Room for every request the engines could hold or reject, so that rejections are ours

@@ -6,21 +6,18 @@ as vLLM does; fields we know but do not implement (echo, suffix, tools, logit_bi
 rejected with a 400 naming them rather than silently ignored.
 
 Between an engine replica and the ingress, one request's progress travels as small dicts (never
-pickled objects of ours, never the whole text again): see ``OutputDeltas``.
+pickled objects of ours, never the whole text again): see ``cluster.outputs.OutputDeltas``.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedserve.cluster.outputs import RequestOutput
+from pagedserve.cluster.outputs import MIN_LOGPROB, OutputDeltas, clamp_logprob, merge_deltas
 from pagedserve.sampling import MAX_LOGPROBS, SamplingParams
 
-# Logprobs can be -inf (a token the model rules out); JSON has no infinity, vLLM sends this instead.
-MIN_LOGPROB = -9999.0
 RETRY_AFTER_S = 1  # what an overloaded server asks clients to wait before retrying
 
 
@@ -254,62 +251,4 @@ class DetokenizeRequest(BaseModel):
     model: str | None = None
     tokens: list[int]
 
-
-# ---- engine -> ingress deltas ----------------------------------------------------------------
-
-
-class OutputDeltas:
-    """Turns one request's cumulative RequestOutputs into the small deltas sent to the ingress.
-
-    A delta is {"outputs": [sample...], "finished", "num_prompt_tokens", "num_cached_tokens"} where
-    each sample that changed is {"index", "text_start", "text", "token_ids", "logprobs",
-    "finish_reason", "stop_reason"}: the receiver's text becomes ``text[:text_start] + text``
-    (a stop string can cut text already sent here, so a delta may rewrite the tail), token ids and
-    logprobs are the new ones only. A logprobs entry is [[token_id, logprob, rank], ...] with the
-    sampled token first, then the top tokens by rank.
-    """
-
-    __slots__ = ("_tokens", "_texts", "_finished")
-
-    def __init__(self) -> None:
-        self._tokens: dict[int, int] = {}
-        self._texts: dict[int, str] = {}
-        self._finished: set[int] = set()
-
-    def delta(self, out: RequestOutput) -> dict[str, Any]:
-        samples = []
-        for o in out.outputs:
-            sent = self._tokens.get(o.index, 0)
-            done = o.finish_reason is not None
-            if len(o.token_ids) == sent and (not done or o.index in self._finished):
-                continue
-            old = self._texts.get(o.index, "")
-            start = len(old) if o.text.startswith(old) else _common_prefix_len(old, o.text)
-            samples.append({
-                "index": o.index, "text_start": start, "text": o.text[start:],
-                "token_ids": o.token_ids[sent:],
-                "logprobs": None if o.logprobs is None else [_plain_logprobs(e) for e in o.logprobs[sent:]],
-                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-            })  # fmt: skip
-            self._tokens[o.index] = len(o.token_ids)
-            self._texts[o.index] = o.text
-            if done:
-                self._finished.add(o.index)
-        return {"outputs": samples, "finished": out.finished, "num_prompt_tokens": len(out.prompt_token_ids),
-                "num_cached_tokens": out.num_cached_tokens}  # fmt: skip
-
-
-def _common_prefix_len(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def _plain_logprobs(entry: dict[int, Any]) -> list[list[Any]]:
-    return [[tid, clamp_logprob(lp.logprob), lp.rank] for tid, lp in entry.items()]
-
-
-def clamp_logprob(value: float) -> float:
-    return value if math.isfinite(value) else MIN_LOGPROB
+__all__ = ["MIN_LOGPROB", "OutputDeltas", "clamp_logprob", "merge_deltas"]  # re-exported: the wire format

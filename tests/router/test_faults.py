@@ -110,7 +110,7 @@ def test_a_killed_replica_fails_only_its_streams_and_comes_back(server: Server, 
     lost = [s for s in streams if s.error is not None and s.error["code"] == "engine_lost"]
     for s, had in zip(streams, had_tokens):
         if s.error is None:
-            assert s.status == 200 and s.finish_reason == "length" and s.tokens >= 160, s
+            assert s.status == 200 and s.finish_reason == "length" and s.usage_tokens == 160, s
         elif had:  # it was running on the dead replica: its output so far is all it gets
             assert s.error["code"] == "engine_lost" and "send it again" in s.error["message"], s.error
         else:  # it had streamed nothing: sent again, and turned away only if the survivor was full
@@ -150,3 +150,74 @@ def test_a_killed_replica_fails_only_its_streams_and_comes_back(server: Server, 
           f"{completed} completed, {n - len(lost) - completed} turned away with 503; the survivor served "
           f"new requests alone {served_after_s:.1f} s after the kill; the replica was back and serving "
           f"{recovered_s:.1f} s after it")
+
+
+def engine_processes(replica_pid: int) -> list[int]:
+    """The engine processes (``pagedserve.cluster.engine_process``) whose parent is this replica."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read()
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == replica_pid and b"pagedserve.cluster.engine_process" in cmdline:
+                found.append(int(entry))
+    return found
+
+
+def test_a_killed_engine_process_fails_only_its_streams_and_its_replica_is_replaced(
+    server: Server, http: httpx2.Client
+) -> None:
+    """The engine (scheduler and model) runs in a child process of its replica; an engine that dies
+    (OOM killer, a crash in a kernel) ends its replica's streams with a clear error, its replica
+    is passed over and fails Serve's health check, and Serve brings up a new replica."""
+    wait_until_idle(http, timeout=60)
+    replicas = engine_replicas()
+    engines = {pid: engine_processes(pid) for pid in replicas}
+    assert all(len(children) == 1 for children in engines.values()), engines  # one engine each
+    streams = [Stream(f"Engine fault {i}: the tale of {i} ships") for i in range(NUM_REPLICAS * MAX_NUM_SEQS)]
+    threads = [threading.Thread(target=s.run, args=(server.base_url, 160), kwargs=auth(server), daemon=True)
+               for s in streams]  # fmt: skip
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    while True:
+        running = {s["pid"]: s["num_running"] for s in replica_stats().values()}
+        pid = max(running, key=running.get, default=None)
+        if pid is not None and running[pid] >= 2 and sum(s.tokens > 0 for s in streams) >= NUM_REPLICAS:
+            break
+        assert time.monotonic() < deadline, (running, [s.tokens for s in streams])
+        time.sleep(0.05)
+    time.sleep(0.5)
+    os.kill(engines[pid][0], signal.SIGKILL)
+
+    for s in streams:
+        assert s.done.wait(120), f"stream {s.prompt!r} hangs"
+    failed = [s for s in streams if s.error is not None]
+    for s in streams:
+        if s.error is None:
+            assert s.status == 200 and s.finish_reason == "length" and s.usage_tokens == 160, s
+        else:  # the dead engine's: what it streamed, then an error that says what happened
+            assert s.error["code"] == "engine_restarting" and "engine process" in s.error["message"], s.error
+    assert 1 <= len(failed) <= MAX_NUM_SEQS, [(s.tokens, s.error) for s in streams]
+    # new requests go to a live engine at once
+    for i in range(3):
+        r = completion(http, server, f"after the engine died {i}")
+        assert r.status_code == 200, r.text
+    # Serve's health check fails the replica and replaces it (with an engine of its own)
+    deadline = time.monotonic() + 180
+    while pid in engine_replicas() or len(engine_replicas()) != NUM_REPLICAS:
+        assert time.monotonic() < deadline, f"replica {pid} was not replaced: {engine_replicas()}"
+        time.sleep(0.5)
+    deadline = time.monotonic() + 120
+    while not all(len(engine_processes(p)) == 1 for p in engine_replicas()):
+        assert time.monotonic() < deadline, "the new replica has no engine process"
+        time.sleep(0.5)
+    deadline = time.monotonic() + 60  # the new replica publishes its pool
+    while len(wait_until_idle(http, timeout=120)["pagedserve:num_gpu_blocks"]) != NUM_REPLICAS:
+        assert time.monotonic() < deadline, "the new replica does not publish its figures"
+        time.sleep(0.5)
