@@ -525,25 +525,16 @@ class AsyncEngine:
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         self._commands.put(("add", request_id, prompt, params, kwargs))
         self._wake.set()
-        finished = False
+        # Outputs are cumulative: when the consumer fell behind, only the newest matters (one
+        # delta instead of several, each a message through Serve and the HTTP proxy).
+        items = relay(stream, lambda older, newer: newer, lambda out: out.finished,
+                      lambda: self.abort(request_id))  # fmt: skip
         try:
-            while True:
-                item = await stream.get()
-                # Outputs are cumulative: when the consumer fell behind, only the newest matters
-                # (one delta instead of several, each a message through Serve and the HTTP proxy).
-                while not isinstance(item, BaseException) and not stream.empty():
-                    item = stream.get_nowait()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            async with aclosing(items):
+                async for item in items:
+                    yield item
         finally:
             self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
 
     async def generate_deltas(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -556,7 +547,7 @@ class AsyncEngine:
                 yield deltas.delta(out)
 
     @property
-    def alive(self) -> str | None:
+    def failure(self) -> str | None:
         """None while the step loop runs, else why it stopped."""
         return None if self._thread.is_alive() or self._stopped else "the engine's step loop died"
 
@@ -707,6 +698,32 @@ class AsyncEngine:
         if events:
             with self._lock:
                 self._kv_events.extend(events)
+
+
+async def relay(stream: asyncio.Queue, combine: Callable[[Any, Any], Any], is_final: Callable[[Any], bool],
+                abort: Callable[[], None]) -> AsyncIterator[Any]:  # fmt: skip
+    """One request's items from ``stream`` until the final one; an exception put there is raised.
+
+    Items queued while the consumer was busy go on as one, ``combine(older, newer)``. Leaving
+    before the final item (a client disconnect) calls ``abort``.
+    """
+    finished = False
+    try:
+        while True:
+            item = await stream.get()
+            while not isinstance(item, BaseException) and not stream.empty():
+                newer = stream.get_nowait()
+                item = newer if isinstance(newer, BaseException) else combine(item, newer)
+            if isinstance(item, BaseException):
+                finished = True
+                raise item
+            finished = is_final(item)
+            yield item
+            if finished:
+                return
+    finally:
+        if not finished:
+            abort()
 
 
 def run_to_completion(engine: Engine, request_ids: Sequence[str]) -> dict[str, RequestOutput]:

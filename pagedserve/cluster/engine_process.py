@@ -31,6 +31,7 @@ import time
 import traceback
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import msgpack
@@ -111,9 +112,8 @@ class EngineProcess:
     Make it with ``await EngineProcess.start(flags, ...)`` on the event loop that will use it.
     """
 
-    def __init__(self, proc: subprocess.Popen, sock: socket.socket, ready: dict[str, Any]) -> None:
+    def __init__(self, proc: subprocess.Popen, ready: dict[str, Any]) -> None:
         self._proc = proc
-        self._sock = sock
         self.pid: int = ready["pid"]
         self._stats = _stats_of(ready["stats"])
         self._streams: dict[str, asyncio.Queue] = {}
@@ -125,9 +125,10 @@ class EngineProcess:
         self._stopping = False
 
     @classmethod
-    async def start(cls, flags: dict[str, Any], *, torch_threads: int = 1, cpus: list[int] | None = None,
-                    nice: int | None = None) -> EngineProcess:  # fmt: skip
-        """Spawn the child, load the model there and connect; raises what the load raised."""
+    async def start(cls, flags: dict[str, Any], *, torch_threads: int = 1,
+                    cpus: list[int] | None = None) -> EngineProcess:  # fmt: skip
+        """Spawn the child (on ``cpus`` alone when given), load the model there and connect; raises
+        what the load raised."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         proc = subprocess.Popen(
             [sys.executable, "-m", "pagedserve.cluster.engine_process", str(theirs.fileno())],
@@ -135,7 +136,7 @@ class EngineProcess:
         )  # fmt: skip
         theirs.close()
         try:
-            ours.sendall(_frame({"flags": flags, "torch_threads": torch_threads, "cpus": cpus, "nice": nice}))
+            ours.sendall(_frame({"flags": flags, "torch_threads": torch_threads, "cpus": cpus}))
             ready = await asyncio.wait_for(asyncio.to_thread(_read_one, ours), START_TIMEOUT_S)
             if ready.get("t") != "ready":
                 raise RuntimeError(f"the engine process failed to start:\n{ready.get('error')}")
@@ -143,7 +144,7 @@ class EngineProcess:
             proc.kill()
             ours.close()
             raise
-        engine = cls(proc, ours, ready)
+        engine = cls(proc, ready)
         ours.setblocking(False)
         loop = asyncio.get_running_loop()
         await loop.create_unix_connection(lambda: _Protocol(engine), sock=ours)
@@ -155,6 +156,7 @@ class EngineProcess:
                               **kwargs: Any) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
         """Yield the request's deltas (``OutputDeltas``) as steps advance it; the last has
         finished=True. Leaving early (a client disconnect) aborts it and frees its blocks."""
+        from pagedserve.cluster.engine import relay
         from pagedserve.sampling import SamplingParams
 
         if self._dead:
@@ -164,25 +166,14 @@ class EngineProcess:
         self._streams[request_id] = stream
         params = params if params is not None else SamplingParams()
         self._send(["add", request_id, prompt, params.to_dict(), kwargs])
-        finished = False
+        # when the consumer fell behind, one merged delta goes on instead of several
+        items = relay(stream, merge_deltas, lambda delta: delta["finished"], lambda: self.abort(request_id))
         try:
-            while True:
-                item = await stream.get()
-                # When the consumer fell behind, one merged delta goes on instead of several.
-                while not isinstance(item, BaseException) and not stream.empty():
-                    nxt = stream.get_nowait()
-                    item = nxt if isinstance(nxt, BaseException) else merge_deltas(item, nxt)
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item["finished"]
-                yield item
-                if finished:
-                    return
+            async with aclosing(items):
+                async for item in items:
+                    yield item
         finally:
             self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         self._send(["abort", request_id])
@@ -208,7 +199,7 @@ class EngineProcess:
         self._send(["snapshot"])
 
     @property
-    def alive(self) -> str | None:
+    def failure(self) -> str | None:
         """None while the process runs, else why it is gone."""
         return self._dead
 
@@ -454,8 +445,6 @@ def main(argv: list[str]) -> int:
     try:
         if init.get("cpus"):
             os.sched_setaffinity(0, init["cpus"])
-        if init.get("nice") is not None:
-            os.setpriority(os.PRIO_PROCESS, 0, init["nice"])
         import torch
 
         from pagedserve.cluster.engine import Engine

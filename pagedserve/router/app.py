@@ -97,7 +97,8 @@ def compact_kv_events(events: list[tuple[str, list[int]]]) -> list[tuple[str, li
 
 @serve.deployment
 class EngineDeployment:
-    """One engine replica: an AsyncEngine in this process, streamed to the ingress as deltas."""
+    """One engine replica: an EngineProcess (the engine in a child process) or, for a tensor-parallel
+    group or --no-engine-process, an AsyncEngine in this process; streamed to the ingress as deltas."""
 
     async def __init__(self, engine_flags: dict[str, Any], max_waiting_requests: int, torch_threads: int,
                        engine_process: bool = True) -> None:  # fmt: skip
@@ -180,12 +181,9 @@ class EngineDeployment:
             yield OpenAIError(400, str(exc), param=exc.param).to_dict()
         except (InvalidPrompt, RequestTooLong) as exc:
             yield OpenAIError(400, str(exc), param="prompt").to_dict()
-        except EngineProcessDied as exc:  # health checks fail next: Serve replaces this replica
-            yield OpenAIError(
-                503, f"engine replica {self.replica_id}: {exc}", code="engine_restarting",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            ).to_dict()  # fmt: skip
-        except RankFailure as exc:  # the replica rebuilds its group and serves the next requests
+        # A lost rank: the replica rebuilds its group and serves the next requests. A dead engine
+        # process: the health check fails next and Serve replaces this replica.
+        except (RankFailure, EngineProcessDied) as exc:
             yield OpenAIError(
                 503, f"engine replica {self.replica_id}: {exc}", code="engine_restarting",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
@@ -206,14 +204,14 @@ class EngineDeployment:
         """Serve's per-replica routing stats (RunningReplica.routing_stats in the router)."""
         stats = self.engine.stats()
         # a replica whose engine died is passed over until Serve replaces it (check_health)
-        draining = self._draining or self.engine.alive is not None
+        draining = self._draining or self.engine.failure is not None
         return {"num_running": stats.num_running, "num_waiting": stats.num_waiting,
                 "kv_cache_usage": stats.kv_cache_usage, "draining": draining}  # fmt: skip
 
     def check_health(self) -> None:
         """Serve's periodic health check: a replica whose engine is gone gets replaced."""
-        if self.engine.alive is not None:
-            raise RuntimeError(self.engine.alive)
+        if self.engine.failure is not None:
+            raise RuntimeError(self.engine.failure)
 
     async def health(self) -> dict[str, Any]:
         """This replica's load, for the ingress's /health (proves a replica answers)."""

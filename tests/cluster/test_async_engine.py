@@ -20,8 +20,9 @@ def engine(tiny_engine_model):
     eng.shutdown()
 
 
-async def _wait_idle(engine: AsyncEngine) -> None:
-    for _ in range(200):
+async def wait_idle(engine, tries: int = 200) -> None:
+    """Until the engine (an AsyncEngine or an EngineProcess) runs nothing and holds no block."""
+    for _ in range(tries):
         st = engine.stats()
         if st.num_running == st.num_waiting == 0 and st.free_blocks == st.num_blocks:
             return
@@ -44,7 +45,7 @@ def test_streams_are_cumulative_and_equal_the_sync_result(engine, tiny_engine_mo
         for seen in streams:
             assert len(seen[-1]) == 10
             assert all(a == seen[-1][: len(a)] for a in seen)  # each output extends the last
-        await _wait_idle(engine)
+        await wait_idle(engine)
         return [s[-1] for s in streams]
 
     streamed = asyncio.run(main())
@@ -64,7 +65,7 @@ def test_leaving_the_stream_aborts_and_frees_blocks(engine):
             if len(out.outputs[0].token_ids) >= 2:
                 break
         await agen.aclose()
-        await _wait_idle(engine)
+        await wait_idle(engine)
         assert engine.engine.generation_tokens - before < 100, "the request ran on after its caller left"
 
     asyncio.run(main())
@@ -87,7 +88,7 @@ def test_block_states_and_prefix_cache_reset_run_between_steps(engine):
     cached content (and says how many blocks) without touching anything in use."""
 
     async def main():
-        await _wait_idle(engine)
+        await wait_idle(engine)
         await engine.reset_prefix_cache()
         # 5 full blocks of 8: the second request shares the first 4 (its last token is computed)
         prompt = {"prompt_token_ids": list(range(100, 140))}
@@ -102,7 +103,7 @@ def test_block_states_and_prefix_cache_reset_run_between_steps(engine):
             pass
         async for _ in second:
             pass
-        await _wait_idle(engine)
+        await wait_idle(engine)
         states = await engine.block_states()
         assert "u" not in states and "s" not in states and states.count("c") >= 5
         assert await engine.reset_prefix_cache() == states.count("c")

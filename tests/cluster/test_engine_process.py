@@ -15,21 +15,13 @@ from pagedserve.cluster.block_manager import RequestTooLong
 from pagedserve.cluster.engine_process import EngineProcess, EngineProcessDied
 from pagedserve.cluster.outputs import merge_deltas
 from pagedserve.sampling import SamplingParams, SamplingParamsError
+from tests.cluster.test_async_engine import wait_idle
 
 FLAGS = dict(dtype="float32", num_gpu_blocks_override=64, max_model_len=128, block_size=8)
 
 
 def _flags(model) -> dict:
     return {"model": str(model), **FLAGS}
-
-
-async def _wait_idle(engine: EngineProcess) -> None:
-    for _ in range(300):
-        st = engine.stats()
-        if st.num_running == st.num_waiting == 0 and st.free_blocks == st.num_blocks:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"engine not idle: {engine.stats()}")
 
 
 def _apply(text: str, tokens: list[int], delta: dict) -> tuple[str, list[int]]:
@@ -57,7 +49,7 @@ def test_the_process_streams_what_the_in_process_engine_generates(tiny_engine_mo
                 return text, tokens
 
             got = await asyncio.gather(*(one(i) for i in range(len(prompts))))
-            await _wait_idle(engine)
+            await wait_idle(engine, tries=300)
             stats = engine.stats()
             assert stats.generation_tokens == 12 * len(prompts) and stats.num_steps > 0
             return got
@@ -96,7 +88,7 @@ def test_errors_reach_the_caller_and_leaving_a_stream_frees_its_blocks(tiny_engi
                 if seen >= 2:
                     break
             await agen.aclose()
-            await _wait_idle(engine)
+            await wait_idle(engine, tries=300)
             assert engine.stats().generation_tokens - before < 100, "the request ran on after its caller left"
             # the loop survived all of it
             three = SamplingParams(max_tokens=3, ignore_eos=True)
@@ -111,12 +103,13 @@ def test_errors_reach_the_caller_and_leaving_a_stream_frees_its_blocks(tiny_engi
 
 def test_block_states_prefix_reset_kv_events_and_snapshot(tiny_engine_model):
     async def main():
-        engine = await EngineProcess.start(_flags(tiny_engine_model))
+        engine = await EngineProcess.start(_flags(tiny_engine_model), cpus=[0])
         try:
+            assert os.sched_getaffinity(engine.pid) == {0}, "the child runs on the cores it was given"
             prompt = {"prompt_token_ids": list(range(200, 240))}  # 5 full blocks of 8
             async for _ in engine.generate_deltas(prompt, SamplingParams(max_tokens=1)):
                 pass
-            await _wait_idle(engine)
+            await wait_idle(engine, tries=300)
             stored = [h for kind, hashes in engine.take_kv_events() if kind == "stored" for h in hashes]
             assert len(stored) == 5
             states = await engine.block_states()
@@ -149,7 +142,7 @@ def test_a_killed_engine_fails_its_requests_and_says_so(tiny_engine_model):
         with pytest.raises(EngineProcessDied, match="exited"):
             async for _ in agen:
                 pass
-        assert engine.alive is not None
+        assert engine.failure is not None
         with pytest.raises(EngineProcessDied):  # new requests fail at once, never hang
             await asyncio.wait_for(engine.generate_deltas("x").__anext__(), 5)
         engine.shutdown()

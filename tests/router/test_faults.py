@@ -64,6 +64,22 @@ def completion(http: httpx2.Client, server: Server, prompt: str, max_tokens: int
     return http.post("/v1/completions", json=body)
 
 
+def busiest_replica_under(server: Server, streams: list[Stream], max_tokens: int) -> int:
+    """Start the streams (a thread each); the pid of the replica running the most of them, once
+    it runs at least 2 and several streams have tokens."""
+    for s in streams:
+        threading.Thread(target=s.run, args=(server.base_url, max_tokens), kwargs=auth(server),
+                         daemon=True).start()  # fmt: skip
+    deadline = time.monotonic() + 120
+    while True:
+        running = {s["pid"]: s["num_running"] for s in replica_stats().values()}
+        pid = max(running, key=running.get, default=None)
+        if pid is not None and running[pid] >= 2 and sum(s.tokens > 0 for s in streams) >= NUM_REPLICAS:
+            return pid
+        assert time.monotonic() < deadline, (running, [s.tokens for s in streams])
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def http(server: Server) -> httpx2.Client:
     with httpx2.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {server.api_key}"},
@@ -79,19 +95,7 @@ def test_a_killed_replica_fails_only_its_streams_and_comes_back(server: Server, 
     # every replica full (MAX_NUM_SEQS running each) and some requests waiting for a slot
     n = NUM_REPLICAS * MAX_NUM_SEQS + MAX_WAITING_REQUESTS
     streams = [Stream(f"Fault test {i}: a long story about the number {i} begins") for i in range(n)]
-    threads = [threading.Thread(target=s.run, args=(server.base_url, 160), kwargs=auth(server), daemon=True)
-               for s in streams]  # fmt: skip
-    for t in threads:
-        t.start()
-    # the victim: the replica running the most requests, once several streams have tokens
-    deadline = time.monotonic() + 120
-    while True:
-        running = {s["pid"]: s["num_running"] for s in replica_stats().values()}
-        pid = max(running, key=running.get, default=None)
-        if pid is not None and running[pid] >= 2 and sum(s.tokens > 0 for s in streams) >= NUM_REPLICAS:
-            break
-        assert time.monotonic() < deadline, (running, [s.tokens for s in streams])
-        time.sleep(0.05)
+    pid = busiest_replica_under(server, streams, 160)  # the victim
     time.sleep(1.0)  # its requests stream tokens by now
     assert pid in before, (pid, before)
     had_tokens = [s.tokens > 0 for s in streams]
@@ -180,18 +184,7 @@ def test_a_killed_engine_process_fails_only_its_streams_and_its_replica_is_repla
     engines = {pid: engine_processes(pid) for pid in replicas}
     assert all(len(children) == 1 for children in engines.values()), engines  # one engine each
     streams = [Stream(f"Engine fault {i}: the tale of {i} ships") for i in range(NUM_REPLICAS * MAX_NUM_SEQS)]
-    threads = [threading.Thread(target=s.run, args=(server.base_url, 160), kwargs=auth(server), daemon=True)
-               for s in streams]  # fmt: skip
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 120
-    while True:
-        running = {s["pid"]: s["num_running"] for s in replica_stats().values()}
-        pid = max(running, key=running.get, default=None)
-        if pid is not None and running[pid] >= 2 and sum(s.tokens > 0 for s in streams) >= NUM_REPLICAS:
-            break
-        assert time.monotonic() < deadline, (running, [s.tokens for s in streams])
-        time.sleep(0.05)
+    pid = busiest_replica_under(server, streams, 160)
     time.sleep(0.5)
     os.kill(engines[pid][0], signal.SIGKILL)
 
