@@ -35,7 +35,7 @@ from pagedserve.kernels import reference
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("cpu_decode.cpp"), Path(__file__).with_name("cpu_ops.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_decode.cpp", "cpu_ops.cpp", "cpu_gemm.cpp"))
 HEADERS = (Path(__file__).with_name("cpu_vec.h"),)
 copy_blocks = reference.copy_blocks
 swap_blocks = reference.swap_blocks
@@ -45,8 +45,14 @@ def _build_dir() -> Path:
     from pagedserve.worker.loader import cache_dir
 
     key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + torch.__version__.encode()
-                         + _cpu_id().encode())
+                         + _cpu_id().encode() + _march().encode())
     return cache_dir() / "torch_extensions" / f"cpu_decode-{key.hexdigest()[:12]}"
+
+
+def _march() -> str:
+    """The -march the kernels are compiled for: this CPU (``native``) unless ``PAGEDSERVE_CPU_MARCH``
+    names another (``znver3`` builds the AVX2 paths on an AVX-512 machine, as the tests do)."""
+    return os.environ.get("PAGEDSERVE_CPU_MARCH", "native")
 
 
 def _cpu_id() -> str:
@@ -71,12 +77,26 @@ def extension() -> ModuleType | None:
         build.mkdir(parents=True, exist_ok=True)
         return load(name="pagedserve_cpu_decode", sources=[str(p) for p in SOURCES],
                     build_directory=str(build),
-                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                    extra_cflags=["-O3", f"-march={_march()}", "-ffast-math", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)  # fmt: skip
     except Exception as exc:  # no compiler, no headers: the reference serves, slower
         logger.warning("CPU decode kernel unavailable (%s: %s); using the torch reference",
                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")  # fmt: skip
         return None
+
+
+@functools.cache
+def gemm_enabled() -> bool:
+    """Whether fp32 linear layers of few rows take the AVX2 kernel (cpu_gemm.cpp): where it was
+    built and the CPU has no AVX-512 (where oneDNN's AVX-512 kernels serve those shapes well).
+    ``PAGEDSERVE_CPU_GEMM=1`` or ``0`` decides instead."""
+    ext = extension()
+    if ext is None or not ext.gemm_available():
+        return False
+    forced = os.environ.get("PAGEDSERVE_CPU_GEMM")
+    if forced is not None:
+        return forced != "0"
+    return "avx512f" not in _cpu_id().split()
 
 
 def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:

@@ -18,6 +18,10 @@
 
 #include "cpu_vec.h"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 inline float load(const float* p, int64_t i) { return p[i]; }
@@ -100,6 +104,17 @@ inline float exp_shifted(float* scores, int64_t n) {
     vsum = _mm512_add_ps(vsum, e);
   }
   sum = _mm512_reduce_add_ps(vsum);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 vsum = _mm256_setzero_ps();
+  const __m256 vm = _mm256_set1_ps(m);
+  for (; i + 8 <= n; i += 8) {
+    __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + i), vm));
+    _mm256_storeu_ps(scores + i, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vsum);
+  for (float l : lanes) sum += l;
 #endif
   for (; i < n; ++i) {
     scores[i] = std::exp(scores[i] - m);
@@ -376,6 +391,138 @@ void decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// fp32 decode on AVX2 (CPUs without AVX-512: the generic loop above widened every K and V row
+// into a buffer and reduced each score horizontally on its own). q . k for 8 keys of one query
+// head at once, reduced by one hadd tree; P . V with the accumulators of up to 4 query heads of a
+// KV head in registers over the tokens of a block, 16 features a pass.
+inline __m256 hsum8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// lane i: q . k_i for the `count` (<= 8) rows of k; q is D = 8 NC floats, kept in registers
+template <int NC>
+inline __m256 scores8(const float* q, const float* k, int64_t row_stride, int64_t count) {
+  __m256 qv[NC];
+  for (int c = 0; c < NC; ++c) qv[c] = _mm256_loadu_ps(q + 8 * c);
+  __m256 part[8];
+  for (int64_t i = 0; i < 8; ++i) {
+    __m256 s = _mm256_setzero_ps();
+    if (i < count)
+      for (int c = 0; c < NC; ++c) s = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k + i * row_stride + 8 * c), s);
+    part[i] = s;
+  }
+  return hsum8(part);
+}
+
+// acc[g * D + 0..15] += sum over t < count of p[g * n + t] * v[t * row_stride + 0..15], g < GN
+template <int GN>
+inline void pv16(float* acc, int64_t D, const float* v, int64_t row_stride, const float* p, int64_t n,
+                 int64_t count) {
+  __m256 a[GN][2];
+  for (int g = 0; g < GN; ++g) {
+    a[g][0] = _mm256_loadu_ps(acc + g * D);
+    a[g][1] = _mm256_loadu_ps(acc + g * D + 8);
+  }
+  for (int64_t t = 0; t < count; ++t) {
+    const __m256 x0 = _mm256_loadu_ps(v + t * row_stride), x1 = _mm256_loadu_ps(v + t * row_stride + 8);
+    for (int g = 0; g < GN; ++g) {
+      const __m256 pg = _mm256_broadcast_ss(p + g * n + t);
+      a[g][0] = _mm256_fmadd_ps(pg, x0, a[g][0]);
+      a[g][1] = _mm256_fmadd_ps(pg, x1, a[g][1]);
+    }
+  }
+  for (int g = 0; g < GN; ++g) {
+    _mm256_storeu_ps(acc + g * D, a[g][0]);
+    _mm256_storeu_ps(acc + g * D + 8, a[g][1]);
+  }
+}
+
+inline bool f32_avx2_head_dim(int64_t D) { return D % 16 == 0 && (D <= 128 || D == 256); }
+
+void decode_f32_avx2(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out, double scale,
+                     int64_t window) {
+  using T = float;
+  const Paged<T> pg(q, k_cache, v_cache, block_tables, seq_lens, out);
+  const int64_t B = pg.B, Hq = pg.Hq, D = pg.D, bs = pg.bs, Hkv = pg.Hkv, G = pg.G;
+  const int64_t row_stride = pg.row_stride, block_stride = pg.block_stride;
+  const float fscale = static_cast<float>(scale);
+  const int64_t nc = D / 8;
+
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(Hq * D), acc(Hq * D), scores, inv(Hq);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t len = pg.lens[b], start = pg.first_key(b, window), n = len - start;
+      if (n <= 0) {
+        pg.store_zeros(b);
+        continue;
+      }
+      for (int64_t h = 0; h < Hq; ++h)
+        for (int64_t d = 0; d < D; ++d) qf[h * D + d] = pg.qp[b * pg.qs_b + h * pg.qs_h + d] * fscale;
+      scores.resize(Hq * n);
+      const int64_t first_block = start / bs, last_block = (len - 1) / bs;
+      for (int64_t j = first_block; j <= last_block; ++j) {  // scores
+        const T* blk = pg.kp + pg.block(b, j) * block_stride;
+        if (j < last_block) prefetch(pg.kp + pg.block(b, j + 1) * block_stride, block_stride * sizeof(T));
+        else prefetch(pg.vp + pg.block(b, first_block) * block_stride, block_stride * sizeof(T));
+        const int64_t t0 = std::max(start, j * bs), t1 = std::min(len, (j + 1) * bs);
+        for (int64_t c0 = t0; c0 < t1; c0 += 8) {
+          const int64_t count = std::min<int64_t>(t1 - c0, 8);
+          const T* rows = blk + (c0 - j * bs) * row_stride;
+          for (int64_t hq = 0; hq < Hq; ++hq) {
+            const float* qh = qf.data() + hq * D;
+            const T* kh = rows + (hq / G) * D;
+            __m256 sv;
+            switch (nc) {
+              case 2: sv = scores8<2>(qh, kh, row_stride, count); break;
+              case 4: sv = scores8<4>(qh, kh, row_stride, count); break;
+              case 6: sv = scores8<6>(qh, kh, row_stride, count); break;
+              case 8: sv = scores8<8>(qh, kh, row_stride, count); break;
+              case 10: sv = scores8<10>(qh, kh, row_stride, count); break;
+              case 12: sv = scores8<12>(qh, kh, row_stride, count); break;
+              case 14: sv = scores8<14>(qh, kh, row_stride, count); break;
+              case 16: sv = scores8<16>(qh, kh, row_stride, count); break;
+              default: sv = scores8<32>(qh, kh, row_stride, count); break;
+            }
+            alignas(32) float lane[8];
+            _mm256_store_ps(lane, sv);
+            std::memcpy(scores.data() + hq * n + (c0 - start), lane, count * sizeof(float));
+          }
+        }
+      }
+      for (int64_t hq = 0; hq < Hq; ++hq) inv[hq] = 1.0f / exp_shifted(scores.data() + hq * n, n);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = first_block; j <= last_block; ++j) {  // P . V
+        const T* blk = pg.vp + pg.block(b, j) * block_stride;
+        if (j < last_block) prefetch(pg.vp + pg.block(b, j + 1) * block_stride, block_stride * sizeof(T));
+        const int64_t t0 = std::max(start, j * bs), t1 = std::min(len, (j + 1) * bs);
+        const T* rows = blk + (t0 - j * bs) * row_stride;
+        for (int64_t h = 0; h < Hkv; ++h)
+          for (int64_t g0 = 0; g0 < G; g0 += 4) {
+            const int64_t gn = std::min<int64_t>(4, G - g0);
+            const float* p = scores.data() + (h * G + g0) * n + (t0 - start);
+            for (int64_t c = 0; c < D; c += 16) {
+              float* a = acc.data() + (h * G + g0) * D + c;
+              const T* v = rows + h * D + c;
+              switch (gn) {
+                case 1: pv16<1>(a, D, v, row_stride, p, n, t1 - t0); break;
+                case 2: pv16<2>(a, D, v, row_stride, p, n, t1 - t0); break;
+                case 3: pv16<3>(a, D, v, row_stride, p, n, t1 - t0); break;
+                default: pv16<4>(a, D, v, row_stride, p, n, t1 - t0); break;
+              }
+            }
+          }
+      }
+      pg.store(b, acc.data(), inv.data());
+    }
+  });
+}
+#endif
+
 }  // namespace
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -392,6 +539,12 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   at::Tensor out = at::empty_like(q, q.options().memory_format(at::MemoryFormat::Contiguous));
   switch (q.scalar_type()) {
     case at::kFloat:
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+      if (f32_avx2_head_dim(q.size(2))) {
+        decode_f32_avx2(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window);
+        break;
+      }
+#endif
       decode<float>(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window);
       break;
     case at::kBFloat16:
@@ -420,6 +573,11 @@ void rotary_neox(const at::Tensor& positions, at::Tensor& query, at::Tensor& key
 at::Tensor silu_and_mul(const at::Tensor& x);
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
               const at::Tensor& slot_mapping);
+// cpu_gemm.cpp
+bool gemm_available();
+at::Tensor pack_linear(const at::Tensor& weight);
+at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         int64_t N);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over KV read in place (CPU)");
@@ -428,4 +586,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_neox", &rotary_neox, "NeoX rotary embedding of query and key, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :d]) * x[:, d:]");
   m.def("write_kv", &write_kv, "store K/V rows at their slots of the paged pools");
+  m.def("gemm_available", &gemm_available, "whether the AVX2 fp32 linear kernel was built");
+  m.def("pack_linear", &pack_linear, "an fp32 weight [N, K] packed into panels of 16 features");
+  m.def("linear_packed", &linear_packed, "x W^T + b with W packed by pack_linear (fp32, AVX2)");
 }

@@ -1,5 +1,6 @@
 // AVX-512 helpers shared by the CPU kernels (cpu_decode.cpp, cpu_ops.cpp): 16 values of fp32 or
-// bf16 loaded as fp32, stored back with torch's rounding, rounded in registers, and exp.
+// bf16 loaded as fp32, stored back with torch's rounding, rounded in registers, and exp; on CPUs
+// with AVX2 but no AVX-512, exp of 8 floats.
 #pragma once
 
 #include <torch/extension.h>
@@ -51,6 +52,36 @@ inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace pagedserve_vec
+
+using namespace pagedserve_vec;
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace pagedserve_vec {
+
+// exp(x) for 8 floats, as exp512: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2; relative error ~2e-7.
+inline __m256 exp256(__m256 x) {
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, ln2_hi, x);
+  r = _mm256_fnmadd_ps(n, ln2_lo, r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  // 2^n as the bits of an exponent field (n in [-126, 127] after the clamp above)
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
 }  // namespace pagedserve_vec

@@ -71,25 +71,43 @@ def _all_gather_last(x: Tensor, tp_size: int) -> Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: Tensor | None = None) -> Tensor:
-    """x W^T + b, through the weight prepacked for oneDNN when there is one (CPU)."""
+# Rows up to which a linear layer runs the AVX2 kernel (cpu_gemm.cpp) rather than oneDNN: one tile
+# of rows (small decode batches). SmolLM2's 30 layers and LM head, fp32, one thread, against oneDNN
+# on prepacked weights capped at AVX2 (ONEDNN_MAX_CPU_ISA=AVX2, a Zen 5 core): 0.75x the time at
+# 1-4 rows, 0.95x at 6, 1.1-1.2x at 8-16 (on a Zen 3 core 1.5-1.9x faster at 1 row).
+GEMM_MAX_ROWS = 6
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: Tensor | None = None,
+           gemm: Tensor | None = None) -> Tensor:  # fmt: skip
+    """x W^T + b: through the AVX2 kernel's packed weight (`gemm`) for a few rows, else the weight
+    prepacked for oneDNN (`packed`) when there is one (CPU), else torch's linear."""
+    if gemm is not None and x.numel() <= GEMM_MAX_ROWS * x.shape[-1]:
+        from pagedserve.kernels import cpu
+
+        return cpu.extension().linear_packed(x, gemm, bias, weight.shape[0])
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
 def prepack_linear_weights(model: nn.Module) -> int:
-    """Reorder every linear layer's weight once into oneDNN's blocked layout (CPU only).
+    """Reorder every linear layer's weight once into oneDNN's blocked layout (CPU only), and in
+    fp32 on CPUs without AVX-512 also into the panels of the AVX2 kernel (cpu_gemm.cpp).
 
     torch's plain CPU linear repacks the weight on every call; at decode batch sizes that doubles
     the memory traffic of what is a weight-streaming workload. Measured on 2 cores for SmolLM2's
     30 layers (cold weights): bf16 13.3 -> 6.1 ms at batch 1 and 18.1 -> 10.9 ms at batch 16; fp32
     23.5 -> 8.4 and 45.2 -> 13.7 ms, with fp32 results equal to the plain path's to ~1e-6 (what
-    vLLM's CPU backend and inductor's freezing do). The plain weights stay (a tied LM head shares
-    the embedding's; the loader's tests read them). Returns the number of layers prepacked.
+    vLLM's CPU backend and inductor's freezing do). On an AVX2-only AMD EPYC core oneDNN's fp32
+    kernel reached a third of the FMA peak at decode batch sizes; the AVX2 kernel takes layers of
+    up to GEMM_MAX_ROWS rows there. The plain weights stay (a tied LM head shares the embedding's;
+    the loader's tests read them). Returns the number of layers prepacked.
     """
     if not torch.backends.mkldnn.is_available():
         return 0
+    from pagedserve.kernels import cpu
+
     count = 0
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
@@ -99,6 +117,8 @@ def prepack_linear_weights(model: nn.Module) -> int:
             if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
                 continue
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+            if weight.dtype == torch.float32 and cpu.gemm_enabled():
+                module.gemm_weight = cpu.extension().pack_linear(weight.detach())
             count += 1
     return count
 
@@ -120,6 +140,7 @@ class ColumnParallelLinear(nn.Module):
         self.output_size_per_partition = _divide(output_size, tp_size, "output features")
         self.weight = _parameter(self.output_size_per_partition, input_size, loader=self.weight_loader)
         self.packed_weight: Tensor | None = None  # see prepack_linear_weights
+        self.gemm_weight: Tensor | None = None
         self.bias = _parameter(self.output_size_per_partition, loader=self.weight_loader) if bias else None
 
     def weight_loader(self, param: Tensor, loaded: Any) -> None:
@@ -127,7 +148,7 @@ class ColumnParallelLinear(nn.Module):
         param.copy_(narrow_loaded(loaded, 0, self.tp_rank * size, size))
 
     def forward(self, x: Tensor) -> Tensor:
-        y = linear(x, self.weight, self.bias, self.packed_weight)
+        y = linear(x, self.weight, self.bias, self.packed_weight, self.gemm_weight)
         return _all_gather_last(y, self.tp_size) if self.gather_output else y
 
 
@@ -197,6 +218,7 @@ class RowParallelLinear(nn.Module):
         self.input_size_per_partition = _divide(input_size, tp_size, "input features")
         self.weight = _parameter(output_size, self.input_size_per_partition, loader=self.weight_loader)
         self.packed_weight: Tensor | None = None  # see prepack_linear_weights
+        self.gemm_weight: Tensor | None = None
         self.bias = _parameter(output_size) if bias else None
 
     def weight_loader(self, param: Tensor, loaded: Any) -> None:
@@ -205,7 +227,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # the bias joins once, on rank 0, so the all_reduce adds it exactly once
-        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, self.packed_weight)
+        bias = self.bias if self.tp_rank == 0 else None
+        y = linear(x, self.weight, bias, self.packed_weight, self.gemm_weight)
         return _all_reduce(y, self.tp_size) if self.reduce_results else y
 
 
@@ -245,9 +268,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     (so tied embeddings share one weight). forward gathers the full [N, vocab] logits on every rank."""
 
     packed_weight: Tensor | None = None  # see prepack_linear_weights
+    gemm_weight: Tensor | None = None
 
     def forward(self, hidden: Tensor) -> Tensor:
-        logits = _all_gather_last(linear(hidden, self.weight, None, self.packed_weight), self.tp_size)
+        logits = linear(hidden, self.weight, None, self.packed_weight, self.gemm_weight)
+        logits = _all_gather_last(logits, self.tp_size)
         return logits[..., : self.num_embeddings]
 
 

@@ -1,0 +1,103 @@
+"""The AVX2 fp32 linear kernel (cpu_gemm.cpp) against the same product in float64 (the oracle), on
+the shapes that cross its blockings: rows 1..6 (partial tiles), past a row block (96), K past a
+k block (512), N not a multiple of 16 (a partial panel); and the layers that take it."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedserve.kernels import cpu
+from pagedserve.worker import layers
+
+ext = cpu.extension()
+pytestmark = pytest.mark.skipif(ext is None or not ext.gemm_available(),
+                                reason="the C++ CPU kernel could not be built with AVX2")  # fmt: skip
+
+
+def _oracle(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ w.double().t()
+    return (y + b.double() if b is not None else y).float()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 16, 97, 200])
+@pytest.mark.parametrize(("n", "k"), [(64, 48), (100, 70), (33, 600), (960, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_packed_equals_the_product(rows, n, k, bias) -> None:
+    torch.manual_seed(rows * 1000 + n + k)
+    x, w = torch.randn(rows, k), torch.randn(n, k)
+    b = torch.randn(n) if bias else None
+    packed = ext.pack_linear(w)
+    assert tuple(packed.shape) == (-(-n // 16), k, 16)
+    got = ext.linear_packed(x, packed, b, n)
+    # fp32 sums of k products: the error grows like sqrt(k) ulps of the largest partial sum
+    torch.testing.assert_close(got, _oracle(x, w, b), atol=2e-5 * k**0.5, rtol=1e-5)
+
+
+def test_linear_packed_keeps_leading_dims_and_reads_strided_rows() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(40, 32)
+    wide = torch.randn(3, 5, 50)
+    x = wide[..., 10:42]  # not contiguous: a slice of a larger projection's output
+    got = ext.linear_packed(x, ext.pack_linear(w), None, 40)
+    assert got.shape == (3, 5, 40)
+    torch.testing.assert_close(got, _oracle(x.reshape(-1, 32), w, None).view(3, 5, 40), atol=1e-4, rtol=1e-5)
+
+
+def test_linear_packed_rejects_what_it_cannot_run() -> None:
+    packed = ext.pack_linear(torch.randn(32, 16))
+    with pytest.raises(RuntimeError, match="features"):
+        ext.linear_packed(torch.randn(2, 17), packed, None, 32)
+    with pytest.raises(RuntimeError, match="N does not match"):
+        ext.linear_packed(torch.randn(2, 16), packed, None, 48)
+    with pytest.raises(RuntimeError, match="fp32"):
+        ext.linear_packed(torch.randn(2, 16).bfloat16(), packed, None, 32)
+    with pytest.raises(RuntimeError, match="fp32"):
+        ext.pack_linear(torch.randn(32, 16).bfloat16())
+
+
+@pytest.fixture
+def gemm_on(monkeypatch):
+    """The kernel on for layers (the default only on CPUs without AVX-512); the cached choice reset after."""
+    monkeypatch.setenv("PAGEDSERVE_CPU_GEMM", "1")
+    cpu.gemm_enabled.cache_clear()
+    yield
+    cpu.gemm_enabled.cache_clear()
+
+
+def test_layers_take_the_kernel_for_decode_rows_only_and_match_the_plain_linear(monkeypatch, gemm_on) -> None:
+    torch.manual_seed(1)
+    lin = layers.ColumnParallelLinear(64, 80, bias=True)
+    lin.weight.data.copy_(torch.randn(80, 64))
+    lin.bias.data.copy_(torch.randn(80))
+    assert layers.prepack_linear_weights(lin) == 1
+    assert lin.gemm_weight is not None
+    calls = []
+    real = ext.linear_packed
+    monkeypatch.setattr(ext, "linear_packed", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for m in (1, layers.GEMM_MAX_ROWS, layers.GEMM_MAX_ROWS + 1, 300):
+        x = torch.randn(m, 64)
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias), atol=1e-4,
+                                   rtol=1e-5)  # fmt: skip
+    assert calls == [1, layers.GEMM_MAX_ROWS]
+
+
+@pytest.mark.skipif("avx512f" not in cpu._cpu_id().split() or "PAGEDSERVE_CPU_MARCH" in os.environ,
+                    reason="this CPU runs the AVX2 paths in the tests themselves")  # fmt: skip
+def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu() -> None:
+    """CI draws machines with and without AVX-512: here the kernels are also built for AVX2 only
+    (-march=haswell: this kernel, the AVX2 fp32 decode attention and exp) and the kernel tests run on it."""
+    env = {**os.environ, "PAGEDSERVE_CPU_MARCH": "haswell"}
+    here = Path(__file__)
+    tests = [str(here.with_name(name)) for name in ("test_cpu_gemm.py", "test_cpu.py", "test_cpu_ops.py")]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+                          env=env, capture_output=True, text=True, timeout=1200)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", proc.stdout.splitlines()[-1])
+    assert passed and int(passed.group(1)) >= 150, proc.stdout[-2000:]  # not skipped for want of a build
