@@ -86,17 +86,21 @@ def extension() -> ModuleType | None:
 
 
 @functools.cache
-def gemm_enabled() -> bool:
-    """Whether fp32 linear layers of few rows take the AVX2 kernel (cpu_gemm.cpp): where it was
-    built and the CPU has no AVX-512 (where oneDNN's AVX-512 kernels serve those shapes well).
-    ``PAGEDSERVE_CPU_GEMM=1`` or ``0`` decides instead."""
+def gemm_enabled(dtype: torch.dtype) -> bool:
+    """Whether linear layers of few rows in `dtype` take the kernels of cpu_gemm.cpp: fp32 where
+    the AVX2 kernel was built and the CPU has no AVX-512 (oneDNN's AVX-512 kernels serve those
+    shapes well); bf16 where the AVX512-BF16 kernel was built and the CPU has no AMX (whose tiles
+    oneDNN uses). ``PAGEDSERVE_CPU_GEMM=1`` or ``0`` decides instead, for the kernels built."""
     ext = extension()
-    if ext is None or not ext.gemm_available():
+    built = {torch.float32: ext is not None and ext.gemm_available(),
+             torch.bfloat16: ext is not None and ext.gemm_bf16_available()}.get(dtype, False)  # fmt: skip
+    if not built:
         return False
     forced = os.environ.get("PAGEDSERVE_CPU_GEMM")
     if forced is not None:
         return forced != "0"
-    return "avx512f" not in _cpu_id().split()
+    flags = _cpu_id().split()
+    return "avx512f" not in flags if dtype == torch.float32 else "amx_bf16" not in flags
 
 
 def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:

@@ -575,6 +575,7 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cach
               const at::Tensor& slot_mapping);
 // cpu_gemm.cpp
 bool gemm_available();
+bool gemm_bf16_available();
 at::Tensor pack_linear(const at::Tensor& weight);
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                          int64_t N);
@@ -587,6 +588,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :d]) * x[:, d:]");
   m.def("write_kv", &write_kv, "store K/V rows at their slots of the paged pools");
   m.def("gemm_available", &gemm_available, "whether the AVX2 fp32 linear kernel was built");
-  m.def("pack_linear", &pack_linear, "an fp32 weight [N, K] packed into panels of 16 features");
-  m.def("linear_packed", &linear_packed, "x W^T + b with W packed by pack_linear (fp32, AVX2)");
+  m.def("gemm_bf16_available", &gemm_bf16_available, "whether the AVX512-BF16 bf16 linear kernel was built");
+  m.def("pack_linear", &pack_linear, "a weight [N, K] packed into panels (fp32: 16 features, bf16: 32 x 2 k)");
+  m.def("linear_packed", &linear_packed, "x W^T + b with W packed by pack_linear (fp32 AVX2, bf16 AVX512-BF16)");
 }

@@ -71,18 +71,21 @@ def _all_gather_last(x: Tensor, tp_size: int) -> Tensor:
     return torch.cat(parts, dim=-1)
 
 
-# Rows up to which a linear layer runs the AVX2 kernel (cpu_gemm.cpp) rather than oneDNN: one tile
-# of rows (small decode batches). SmolLM2's 30 layers and LM head, fp32, one thread, against oneDNN
-# on prepacked weights capped at AVX2 (ONEDNN_MAX_CPU_ISA=AVX2, a Zen 5 core): 0.75x the time at
-# 1-4 rows, 0.95x at 6, 1.1-1.2x at 8-16 (on a Zen 3 core 1.5-1.9x faster at 1 row).
-GEMM_MAX_ROWS = 6
+# Rows up to which a linear layer runs the kernels of cpu_gemm.cpp rather than oneDNN, by dtype.
+# fp32 (AVX2): one tile of rows. SmolLM2's 30 layers and LM head, one thread, against oneDNN on
+# prepacked weights capped at AVX2 (ONEDNN_MAX_CPU_ISA=AVX2, a Zen 5 core): 0.75x the time at 1-4
+# rows, 0.95x at 6, 1.1-1.2x at 8-16 (on a Zen 3 core 1.5-1.9x faster at 1 row).
+# bf16 (AVX512-BF16, no AMX): against oneDNN's AVX512-BF16 kernels on prepacked weights, one Zen 5
+# core: 0.66-0.72x the time at 1-12 rows (39 against 26 GB/s of weights at 1 row), 0.85-0.93x at
+# 16-32, 0.99x at 64.
+GEMM_MAX_ROWS = {torch.float32: 6, torch.bfloat16: 32}
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: Tensor | None = None,
            gemm: Tensor | None = None) -> Tensor:  # fmt: skip
     """x W^T + b: through the AVX2 kernel's packed weight (`gemm`) for a few rows, else the weight
     prepacked for oneDNN (`packed`) when there is one (CPU), else torch's linear."""
-    if gemm is not None and x.numel() <= GEMM_MAX_ROWS * x.shape[-1]:
+    if gemm is not None and x.numel() <= GEMM_MAX_ROWS[gemm.dtype] * x.shape[-1]:
         from pagedserve.kernels import cpu
 
         return cpu.extension().linear_packed(x, gemm, bias, weight.shape[0])
@@ -92,16 +95,17 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: Tensor | None
 
 
 def prepack_linear_weights(model: nn.Module) -> int:
-    """Reorder every linear layer's weight once into oneDNN's blocked layout (CPU only), and in
-    fp32 on CPUs without AVX-512 also into the panels of the AVX2 kernel (cpu_gemm.cpp).
+    """Reorder every linear layer's weight once into oneDNN's blocked layout (CPU only), and where
+    cpu.gemm_enabled says also into the panels of cpu_gemm.cpp's kernels (fp32 on CPUs without
+    AVX-512, bf16 on CPUs with AVX512-BF16 but no AMX) for steps of few rows.
 
     torch's plain CPU linear repacks the weight on every call; at decode batch sizes that doubles
     the memory traffic of what is a weight-streaming workload. Measured on 2 cores for SmolLM2's
     30 layers (cold weights): bf16 13.3 -> 6.1 ms at batch 1 and 18.1 -> 10.9 ms at batch 16; fp32
     23.5 -> 8.4 and 45.2 -> 13.7 ms, with fp32 results equal to the plain path's to ~1e-6 (what
-    vLLM's CPU backend and inductor's freezing do). On an AVX2-only AMD EPYC core oneDNN's fp32
-    kernel reached a third of the FMA peak at decode batch sizes; the AVX2 kernel takes layers of
-    up to GEMM_MAX_ROWS rows there. The plain weights stay (a tied LM head shares the embedding's;
+    vLLM's CPU backend and inductor's freezing do). At decode batch sizes the kernels of
+    cpu_gemm.cpp stream the weights faster than oneDNN (GEMM_MAX_ROWS gives the figures and the
+    rows up to which they run). The plain weights stay (a tied LM head shares the embedding's;
     the loader's tests read them). Returns the number of layers prepacked.
     """
     if not torch.backends.mkldnn.is_available():
@@ -117,7 +121,7 @@ def prepack_linear_weights(model: nn.Module) -> int:
             if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
                 continue
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-            if weight.dtype == torch.float32 and cpu.gemm_enabled():
+            if cpu.gemm_enabled(weight.dtype):
                 module.gemm_weight = cpu.extension().pack_linear(weight.detach())
             count += 1
     return count

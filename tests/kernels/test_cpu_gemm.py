@@ -59,33 +59,79 @@ def test_linear_packed_rejects_what_it_cannot_run() -> None:
     with pytest.raises(RuntimeError, match="fp32"):
         ext.linear_packed(torch.randn(2, 16).bfloat16(), packed, None, 32)
     with pytest.raises(RuntimeError, match="fp32"):
-        ext.pack_linear(torch.randn(32, 16).bfloat16())
+        ext.pack_linear(torch.randn(32, 16).half())
+
+
+bf16_kernel = pytest.mark.skipif(not ext.gemm_bf16_available(), reason="the CPU has no AVX512-BF16")
+
+
+def _bf16_oracle(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """The exact product of the bf16 values (float64), the bias added, rounded once to bf16."""
+    return _oracle(x, w, b).bfloat16()
+
+
+@bf16_kernel
+@pytest.mark.parametrize("rows", [1, 2, 11, 12, 13, 16, 25, 64])
+@pytest.mark.parametrize(("n", "k"), [(64, 48), (100, 71), (33, 600), (960, 576), (17, 1)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_linear_packed_equals_the_rounded_product(rows, n, k, bias) -> None:
+    torch.manual_seed(rows * 1000 + n + k)
+    x, w = torch.randn(rows, k).bfloat16(), torch.randn(n, k).bfloat16()
+    b = torch.randn(n).bfloat16() if bias else None
+    packed = ext.pack_linear(w)
+    assert tuple(packed.shape) == (-(-n // 32), -(-k // 2), 32, 2) and packed.dtype == torch.bfloat16
+    got = ext.linear_packed(x, packed, b, n)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    expected = _bf16_oracle(x, w, b)
+    # fp32 sums, rounded once: within one bf16 rounding of the exact value (a tie may round either way)
+    exact = _oracle(x, w, b)
+    assert ((got.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-4 * k**0.5).all()
+    assert (got == expected).float().mean() > 0.97  # almost all bit-equal to the rounded exact product
+
+
+@bf16_kernel
+def test_bf16_linear_packed_keeps_leading_dims_reads_strided_rows_and_rejects_fp32_x() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(40, 32).bfloat16()
+    x = torch.randn(3, 5, 50).bfloat16()[..., 10:42]
+    packed = ext.pack_linear(w)
+    got = ext.linear_packed(x, packed, None, 40)
+    assert got.shape == (3, 5, 40)
+    exact = _oracle(x.reshape(-1, 32), w, None).view(3, 5, 40)
+    assert ((got.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
+    with pytest.raises(RuntimeError, match="bf16 x"):
+        ext.linear_packed(x.float(), packed, None, 40)
+    with pytest.raises(RuntimeError, match="features"):
+        ext.linear_packed(torch.randn(2, 36).bfloat16(), packed, None, 40)
 
 
 @pytest.fixture
 def gemm_on(monkeypatch):
     """The kernel on for layers (the default only on CPUs without AVX-512); the cached choice reset after."""
-    monkeypatch.setenv("PAGEDSERVE_CPU_GEMM", "1")
+    monkeypatch.setenv("PAGEDSERVE_CPU_GEMM", "1")  # for the dtypes whose kernel was built
     cpu.gemm_enabled.cache_clear()
     yield
     cpu.gemm_enabled.cache_clear()
 
 
-def test_layers_take_the_kernel_for_decode_rows_only_and_match_the_plain_linear(monkeypatch, gemm_on) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=bf16_kernel)])
+def test_layers_take_the_kernel_for_few_rows_only_and_match_the_product(monkeypatch, gemm_on, dtype) -> None:
     torch.manual_seed(1)
-    lin = layers.ColumnParallelLinear(64, 80, bias=True)
+    lin = layers.ColumnParallelLinear(64, 80, bias=True).to(dtype)
     lin.weight.data.copy_(torch.randn(80, 64))
     lin.bias.data.copy_(torch.randn(80))
     assert layers.prepack_linear_weights(lin) == 1
-    assert lin.gemm_weight is not None
+    assert lin.gemm_weight is not None and lin.gemm_weight.dtype == dtype
     calls = []
     real = ext.linear_packed
     monkeypatch.setattr(ext, "linear_packed", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for m in (1, layers.GEMM_MAX_ROWS, layers.GEMM_MAX_ROWS + 1, 300):
-        x = torch.randn(m, 64)
-        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias), atol=1e-4,
-                                   rtol=1e-5)  # fmt: skip
-    assert calls == [1, layers.GEMM_MAX_ROWS]
+    most = layers.GEMM_MAX_ROWS[dtype]
+    for m in (1, most, most + 1, 300):
+        x = torch.randn(m, 64).to(dtype)
+        expected = _oracle(x, lin.weight, lin.bias)
+        tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 2**-7}
+        torch.testing.assert_close(lin(x).float(), expected, **tol)
+    assert calls == [1, most]
 
 
 @pytest.mark.skipif("avx512f" not in cpu._cpu_id().split() or "PAGEDSERVE_CPU_MARCH" in os.environ,
