@@ -35,7 +35,8 @@ from pagedserve.kernels import reference
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_decode.cpp", "cpu_ops.cpp", "cpu_gemm.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_decode.cpp", "cpu_ops.cpp", "cpu_gemm.cpp",
+                                                            "cpu_prefill.cpp"))
 HEADERS = (Path(__file__).with_name("cpu_vec.h"),)
 copy_blocks = reference.copy_blocks
 swap_blocks = reference.swap_blocks
@@ -152,7 +153,16 @@ def paged_attention(
         rows = layout.decode_rows
         out.index_copy_(0, rows, paged_decode(query.index_select(0, rows), k_cache, v_cache, tables, lens,
                                               scale, sliding_window))  # fmt: skip
+    ext = extension()
+    fast = (query.dtype == torch.bfloat16 and ext.prefill_bf16_available() and query.shape[-1] % 16 == 0
+            and query.shape[-1] <= 256 and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and os.environ.get("PAGEDSERVE_CPU_PREFILL", "1") != "0")  # fmt: skip
     for b in layout.extends:
         rows = slice(layout.starts[b], layout.starts[b] + layout.q_lens[b])
-        out[rows] = reference._extend(query[rows], k_cache, v_cache, layout, b, scale, sliding_window)
+        if fast:  # bf16 with AVX512-BF16: cpu_prefill.cpp, KV read through the table (no SDPA)
+            table = block_tables[b] if block_tables.dtype == torch.int32 else block_tables[b].int()
+            out[rows] = ext.paged_prefill(query[rows], k_cache, v_cache, table, layout.lens[b], scale,
+                                          sliding_window or 0)  # fmt: skip
+        else:
+            out[rows] = reference._extend(query[rows], k_cache, v_cache, layout, b, scale, sliding_window)
     return out

@@ -576,6 +576,10 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cach
 // cpu_gemm.cpp
 bool gemm_available();
 bool gemm_bf16_available();
+// cpu_prefill.cpp
+bool prefill_bf16_available();
+at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& table, int64_t seq_len, double scale, int64_t window);
 at::Tensor pack_linear(const at::Tensor& weight);
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                          int64_t N);
@@ -587,6 +591,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_neox", &rotary_neox, "NeoX rotary embedding of query and key, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :d]) * x[:, d:]");
   m.def("write_kv", &write_kv, "store K/V rows at their slots of the paged pools");
+  m.def("prefill_bf16_available", &prefill_bf16_available, "whether the AVX512-BF16 prefill attention was built");
+  m.def("paged_prefill", &paged_prefill, "one sequence's prefill chunk attending to its paged KV (bf16)");
   m.def("gemm_available", &gemm_available, "whether the AVX2 fp32 linear kernel was built");
   m.def("gemm_bf16_available", &gemm_bf16_available, "whether the AVX512-BF16 bf16 linear kernel was built");
   m.def("pack_linear", &pack_linear, "a weight [N, K] packed into panels (fp32: 16 features, bf16: 32 x 2 k)");

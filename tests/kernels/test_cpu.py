@@ -61,3 +61,44 @@ def test_cpu_tensors_dispatch_to_the_cpu_path(monkeypatch) -> None:
     with kernels.use_backend("torch"):
         kernels.paged_attention(*batch.args(), scale=0.125, max_query_len=1)
     assert len(calls) == 1, "the torch backend is the pure reference"
+
+
+# prefill chunks: whole prompts, chunks after a context, lengths off the block and tile sizes
+PREFILL = [(64, 64), (190, 45), (300, 300), (33, 17), (17, 2), (500, 129), (16, 16), (5, 1)]
+prefill_kernel = pytest.mark.skipif(cpu.extension() is None or not cpu.extension().prefill_bf16_available(),
+                                    reason="the CPU has no AVX512-BF16")  # fmt: skip
+
+
+@prefill_kernel
+@pytest.mark.parametrize("window", [None, 1, 7, 100])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)], ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_bf16_prefill_kernel_matches_contiguous(monkeypatch, window, heads, head_dim, block_size) -> None:
+    ext = cpu.extension()
+    calls = []
+    real = ext.paged_prefill
+    monkeypatch.setattr(ext, "paged_prefill", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    batch = make_batch(PREFILL, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
+                       block_size=block_size, dtype=torch.bfloat16, share={2: 1})  # fmt: skip
+    scale = head_dim**-0.5
+    out = cpu.paged_attention(*batch.args(), scale=scale, sliding_window=window, max_query_len=300)
+    assert sorted(calls) == sorted(q for _, q in PREFILL if q > 1), "every chunk of 2+ queries runs it"
+    expected = contiguous_attention(batch, scale=scale, sliding_window=window)
+    assert max_error(out, expected) < TOLERANCE[torch.bfloat16]
+
+
+@prefill_kernel
+def test_bf16_prefill_kernel_rejects_what_it_cannot_run() -> None:
+    ext = cpu.extension()
+    batch = make_batch([(40, 40)], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                       dtype=torch.bfloat16)  # fmt: skip
+    q, k, v, tables = batch.args()[:4]
+    with pytest.raises(RuntimeError, match="bf16 only"):
+        ext.paged_prefill(q.float(), k, v, tables[0].int(), 40, 0.125, 0)
+    with pytest.raises(RuntimeError, match="too short"):
+        ext.paged_prefill(q, k, v, tables[0, :1].int(), 40, 0.125, 0)
+    bad = tables[0].int().clone()
+    bad[1] = 10**6
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ext.paged_prefill(q, k, v, bad, 40, 0.125, 0)
