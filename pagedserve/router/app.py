@@ -510,7 +510,7 @@ def limits_of(cfg: ServeConfig) -> dict[str, Any]:
     return {f.name: getattr(cfg, f.name) for f in fields(Limits)}
 
 
-def cpu_threads_per_replica(num_replicas: int, cpus: int | None = None) -> int:
+def cpu_threads_per_replica(num_replicas: int, cpus: int | None = None, reserved: int | None = None) -> int:
     """Torch threads for each CPU engine replica on this node: its share of the cores left after
     ``$PAGEDSERVE_CPU_RESERVED_CORES`` (1 by default) for the serving stack.
 
@@ -520,7 +520,8 @@ def cpu_threads_per_replica(num_replicas: int, cpus: int | None = None) -> int:
     ms on one, where in a quiet process two threads took 125 ms and one 163 ms.
     """
     cpus = cpus or os.cpu_count() or 1
-    reserved = int(os.environ.get("PAGEDSERVE_CPU_RESERVED_CORES", "1"))
+    if reserved is None:
+        reserved = int(os.environ.get("PAGEDSERVE_CPU_RESERVED_CORES", "1"))
     return max(1, (cpus - reserved) // max(1, num_replicas))
 
 
@@ -539,6 +540,8 @@ def build_app(serve_config: ServeConfig) -> Application:
     # OpenMP threads from spinning on a shared core.
     threads = 1 if parallel.uses_ray else cpu_threads_per_replica(cfg.num_replicas)
     env = {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    if not parallel.uses_ray:  # prefill steps also take the reserved cores (Worker._size_threads)
+        env["PAGEDSERVE_CPU_PREFILL_THREADS"] = str(cpu_threads_per_replica(cfg.num_replicas, reserved=0))
     if "PAGEDSERVE_CACHE_DIR" in os.environ:
         env["PAGEDSERVE_CACHE_DIR"] = os.environ["PAGEDSERVE_CACHE_DIR"]
     engine = EngineDeployment.options(

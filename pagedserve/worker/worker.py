@@ -8,6 +8,7 @@ says which blocks to swap, copy and write. Rank 0 samples and returns the tokens
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from itertools import chain
@@ -36,6 +37,7 @@ from pagedserve.worker.models.llama import head_dim_of
 logger = logging.getLogger(__name__)
 
 SMALL_STEP_TOKENS = 8  # CPU steps of at most this many tokens run on the calibrated thread count
+LARGE_STEP_TOKENS = 128  # CPU steps of at least this many tokens (prefill) run on prefill_threads
 CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB: ~1,450 blocks of 16 tokens for SmolLM2-135M in fp32
 
 
@@ -73,6 +75,8 @@ class Worker:
             prepack_linear_weights(self.model)
         self.max_threads = torch.get_num_threads()
         self.small_step_threads = self.max_threads  # see calibrate_threads
+        # served, the cores reserved for the HTTP stack join in prefill steps (see _size_threads)
+        self.prefill_threads = int(os.environ.get("PAGEDSERVE_CPU_PREFILL_THREADS", "0")) or self.max_threads
         self.eos_token_ids = tuple(eos_token_ids)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
         self.states: dict[str, _SeqState] = {}
@@ -242,9 +246,21 @@ class Worker:
 
         On the machine without AMX (SmolLM2 bf16 decode, one thread against two, before the fused
         ops): batch 2 19.7 / 26.3 ms, batch 8 26.3 / 29.3 ms, batch 16 38.0 / 31.8 ms; prefill ran
-        1.7x faster on two.
+        1.7x faster on two. Steps of LARGE_STEP_TOKENS or more (prefill chunks) run on
+        `prefill_threads`, which served is the replica's share of all cores, the one reserved for
+        the HTTP stack included: a prefill's parallel regions are long (a linear of 256 rows takes
+        ~1 ms), so a thread on a shared core costs little there, unlike in decode steps. Served on
+        2 cores (Zen 5, SmolLM2 bf16, `benchmarks/peers.py`), against one thread for every step:
+        TTFT p50 at concurrency 1 167 -> 144 ms, at concurrency 16 1840 -> 1526 ms, ITL p50 alike
+        (11.1 / 11.4 and 30.0 / 31.1 ms); two threads for every step instead gave 159 and 1510 ms
+        but took the ITL p50 at concurrency 16 to 34.8 ms.
         """
-        threads = self.small_step_threads if num_tokens <= SMALL_STEP_TOKENS else self.max_threads
+        if num_tokens <= SMALL_STEP_TOKENS:
+            threads = self.small_step_threads
+        elif num_tokens >= LARGE_STEP_TOKENS and self.tp_size == 1:
+            threads = self.prefill_threads
+        else:
+            threads = self.max_threads
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
 

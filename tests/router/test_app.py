@@ -92,6 +92,7 @@ def test_cpu_threads_leave_the_reserved_cores_to_the_serving_stack(monkeypatch) 
     assert cpu_threads_per_replica(1, cpus=16) == 15
     assert cpu_threads_per_replica(2, cpus=16) == 7
     assert cpu_threads_per_replica(4, cpus=2) == 1  # never none
+    assert cpu_threads_per_replica(1, cpus=2, reserved=0) == 2  # prefill steps' count
     monkeypatch.setenv("PAGEDSERVE_CPU_RESERVED_CORES", "0")
     assert cpu_threads_per_replica(1, cpus=2) == 2
 

@@ -10,7 +10,7 @@ import torch
 
 from pagedserve.plan import ScheduledSeq, StepPlan
 from pagedserve.worker import worker as worker_module
-from pagedserve.worker.worker import SMALL_STEP_TOKENS, Worker
+from pagedserve.worker.worker import LARGE_STEP_TOKENS, SMALL_STEP_TOKENS, Worker
 
 
 @pytest.fixture
@@ -59,3 +59,26 @@ def test_small_steps_run_on_the_calibrated_count(tiny_engine_model: Path, two_th
         assert torch.get_num_threads() == small
         outputs[small] = out.sampled[0].token_id
     assert outputs[1] == outputs[2], "the thread count changes speed, not the greedy token"
+
+
+def test_prefill_steps_take_the_reserved_cores_too(tiny_engine_model: Path, monkeypatch) -> None:
+    """Served, the replica's torch runs on the cores less the reserved one, and prefill steps of
+    LARGE_STEP_TOKENS or more on PAGEDSERVE_CPU_PREFILL_THREADS (its share of all cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setenv("PAGEDSERVE_CPU_PREFILL_THREADS", "2")
+    try:
+        w = Worker(str(tiny_engine_model), dtype="float32")
+        assert (w.max_threads, w.prefill_threads) == (1, 2)
+        w.init_kv_pool(num_blocks=64, block_size=8)
+        params = {"temperature": 0.0, "max_tokens": 4}
+        seen = {}
+        for n in (SMALL_STEP_TOKENS + 1, LARGE_STEP_TOKENS):
+            prompt = list(range(5, 5 + n))
+            new, blocks = {"params": params, "prompt_token_ids": prompt}, list(range(-(-n // 8)))
+            w.states.clear()
+            w.execute(StepPlan([ScheduledSeq(f"p{n}", prompt, 0, 0, [blocks], True, new=new)]))
+            seen[n] = torch.get_num_threads()
+        assert seen == {SMALL_STEP_TOKENS + 1: 1, LARGE_STEP_TOKENS: 2}
+    finally:
+        torch.set_num_threads(before)
