@@ -52,7 +52,7 @@ def _build_dir() -> Path:
 
 def _march() -> str:
     """The -march the kernels are compiled for: this CPU (``native``) unless ``PAGEDSERVE_CPU_MARCH``
-    names another (``znver3`` builds the AVX2 paths on an AVX-512 machine, as the tests do)."""
+    names another (``haswell`` builds the AVX2 paths on an AVX-512 machine, as the tests do)."""
     return os.environ.get("PAGEDSERVE_CPU_MARCH", "native")
 
 
@@ -137,8 +137,10 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
 ) -> Tensor:
-    """reference.paged_attention's contract; decode rows through the C++ kernel."""
-    if extension() is None or query.dtype != k_cache.dtype or query.device.type != "cpu":
+    """reference.paged_attention's contract; decode rows through the C++ kernel, bf16 prefill
+    chunks through cpu_prefill.cpp where it was built."""
+    ext = extension()
+    if ext is None or query.dtype != k_cache.dtype or query.device.type != "cpu":
         return reference.paged_attention(
             query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=scale,
             sliding_window=sliding_window, max_query_len=max_query_len, max_seq_len=max_seq_len,
@@ -153,7 +155,6 @@ def paged_attention(
         rows = layout.decode_rows
         out.index_copy_(0, rows, paged_decode(query.index_select(0, rows), k_cache, v_cache, tables, lens,
                                               scale, sliding_window))  # fmt: skip
-    ext = extension()
     fast = (query.dtype == torch.bfloat16 and ext.prefill_bf16_available() and query.shape[-1] % 16 == 0
             and query.shape[-1] <= 256 and k_cache.is_contiguous() and v_cache.is_contiguous()
             and os.environ.get("PAGEDSERVE_CPU_PREFILL", "1") != "0")  # fmt: skip

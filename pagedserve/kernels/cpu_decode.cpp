@@ -18,10 +18,6 @@
 
 #include "cpu_vec.h"
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
 inline float load(const float* p, int64_t i) { return p[i]; }
@@ -576,13 +572,13 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cach
 // cpu_gemm.cpp
 bool gemm_available();
 bool gemm_bf16_available();
+at::Tensor pack_linear(const at::Tensor& weight);
+at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         int64_t N);
 // cpu_prefill.cpp
 bool prefill_bf16_available();
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& table, int64_t seq_len, double scale, int64_t window);
-at::Tensor pack_linear(const at::Tensor& weight);
-at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                         int64_t N);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over KV read in place (CPU)");

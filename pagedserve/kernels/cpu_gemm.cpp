@@ -28,8 +28,7 @@
 #include <immintrin.h>
 #define PAGEDSERVE_GEMM 1
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#include "cpu_vec.h"
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)  // implies AVX2: immintrin.h
 #define PAGEDSERVE_GEMM_BF16 1
 #endif
 

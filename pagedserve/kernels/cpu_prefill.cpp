@@ -42,6 +42,11 @@ struct Prefill {
   float scale;
 };
 
+// 16 bf16 (bits in a ymm) as fp32.
+inline __m512 widen(__m256i bf16) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16));
+}
+
 // The scores of 16 keys (rows of kc, each D bf16) against a tile of queries (qp [D / 2][16] pairs):
 // s[k] lane q = <K_k, Q_q>.
 inline void scores16(const at::BFloat16* kc, int64_t D, const __m512bh* qp, __m512* s) {
@@ -125,8 +130,8 @@ void prefill_tile(const Prefill& a, int64_t hq, int64_t t0, const at::BFloat16* 
       s[k] = _mm512_mul_ps(s[k], scale);
       if (!full) {
         const int64_t j = j0 + k;
-        __mmask16 v = j < a.seq_len ? _mm512_cmp_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(j)), _MM_CMPINT_NLT)
-                                    : 0;  // pos >= j
+        const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(j));
+        __mmask16 v = j < a.seq_len ? _mm512_cmp_epi32_mask(pos, key, _MM_CMPINT_NLT) : 0;  // pos >= j
         if (a.window > 0)  // j > pos - window, i.e. pos < j + window
           v &= _mm512_cmp_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(j + a.window)), _MM_CMPINT_LT);
         vis[k] = v & live;
@@ -148,8 +153,8 @@ void prefill_tile(const Prefill& a, int64_t hq, int64_t t0, const at::BFloat16* 
       const __m512bh ab = _mm512_cvtne2ps_pbh(pb, pa);  // lanes 0-15: pa, 16-31: pb
       // the sum of what P.V multiplies: the probabilities as rounded to bf16
       const __m512i bits = (__m512i)ab;
-      l = _mm512_add_ps(l, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(bits)), 16)));
-      l = _mm512_add_ps(l, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(bits, 1)), 16)));
+      l = _mm512_add_ps(l, widen(_mm512_castsi512_si256(bits)));
+      l = _mm512_add_ps(l, widen(_mm512_extracti64x4_epi64(bits, 1)));
       pp[k / 2] = (__m512bh)_mm512_permutexvar_epi16(interleave, bits);
     }
     pv16(ot, D, alpha, pp, vt + r0, ldv);
@@ -187,7 +192,8 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
   TORCH_CHECK(table.scalar_type() == at::kInt && table.dim() == 1, "paged_prefill: an int32 block table row");
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2), num_blocks = k_cache.size(0);
-  TORCH_CHECK(k_cache.size(3) == D && D % 16 == 0 && D <= 256, "paged_prefill: head dim must be a multiple of 16, <= 256");
+  TORCH_CHECK(k_cache.size(3) == D && D % 16 == 0 && D <= 256,
+              "paged_prefill: head dim must be a multiple of 16, <= 256");
   TORCH_CHECK(Hq % Hkv == 0, "paged_prefill: query heads must be a multiple of KV heads");
   TORCH_CHECK(T >= 1 && seq_len >= T && table.size(0) * bs >= seq_len, "paged_prefill: the table is too short");
   const at::Tensor qc = q.contiguous();
@@ -205,10 +211,8 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
   const at::BFloat16* vp = v_cache.data_ptr<at::BFloat16>();
   at::BFloat16* kcp = kc.data_ptr<at::BFloat16>();
   at::BFloat16* vtp = vt.data_ptr<at::BFloat16>();
-  for (int64_t j = kbase; j < seq_len; ++j) {
-    const int64_t block = tab[j / bs];
-    TORCH_CHECK(block >= 0 && block < num_blocks, "paged_prefill: block ", block, " is outside the pool");
-  }
+  for (int64_t i = kbase / bs; i <= (seq_len - 1) / bs; ++i)  // the blocks read below
+    TORCH_CHECK(tab[i] >= 0 && tab[i] < num_blocks, "paged_prefill: block ", tab[i], " is outside the pool");
   at::parallel_for(0, Hkv, 1, [&](int64_t h0, int64_t h1) {
     for (int64_t h = h0; h < h1; ++h)
       for (int64_t j = kbase; j < seq_len; ++j) {

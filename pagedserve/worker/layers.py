@@ -83,8 +83,8 @@ GEMM_MAX_ROWS = {torch.float32: 6, torch.bfloat16: 32}
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: Tensor | None = None,
            gemm: Tensor | None = None) -> Tensor:  # fmt: skip
-    """x W^T + b: through the AVX2 kernel's packed weight (`gemm`) for a few rows, else the weight
-    prepacked for oneDNN (`packed`) when there is one (CPU), else torch's linear."""
+    """x W^T + b: through cpu_gemm.cpp's packed weight (`gemm`) for up to GEMM_MAX_ROWS rows, else
+    the weight prepacked for oneDNN (`packed`) when there is one (CPU), else torch's linear."""
     if gemm is not None and x.numel() <= GEMM_MAX_ROWS[gemm.dtype] * x.shape[-1]:
         from pagedserve.kernels import cpu
 
