@@ -6,7 +6,9 @@ through ``Worker.execute`` (metadata, model, LM head, sampling: what a served st
 
 - ``fused``: the C++ fused RMSNorm / rotary / SiLU-and-mul / KV write (the default), against
   ``unfused`` (layers.py's torch code, PAGEDSERVE_CPU_FUSED=0);
-- ``threads``: how many torch threads a step of each kind runs on (1 or 2).
+- ``threads``: how many torch threads a step of each kind runs on (1 or 2);
+- ``oneDNN linears``: every linear layer on oneDNN's prepacked weights, none on the kernels of
+  cpu_gemm.cpp (where the dtype has one on this CPU: fp32 on AVX2, bf16 on AVX512-BF16 without AMX).
 
 Prints the median step time of each (workload, variant) and the ratio to the default's. Run with
 OMP_WAIT_POLICY=PASSIVE as the server does: ``make bench-step`` (about 2 minutes).
@@ -23,6 +25,7 @@ import time
 import torch
 
 from pagedserve.plan import ScheduledSeq, StepPlan
+from pagedserve.worker import layers
 from pagedserve.worker import worker as worker_module
 from pagedserve.worker.loader import resolve_model
 from pagedserve.worker.worker import Worker
@@ -79,7 +82,8 @@ def main() -> None:
     w.init_kv_pool(num_blocks=1024, block_size=BLOCK)
     cores = os.cpu_count() or 1
     variants = {"fused": ("1", None), "unfused": ("0", None), "fused 1 thread": ("1", 1),
-                f"fused {cores} threads": ("1", cores)}  # fmt: skip
+                f"fused {cores} threads": ("1", cores), "oneDNN linears": ("1", None)}  # fmt: skip
+    gemm_rows = dict(layers.GEMM_MAX_ROWS)
     workloads = {"decode b1": lambda: time_decode(w, 1, 300, args.steps),
                  "decode b16": lambda: time_decode(w, 16, 300, args.steps),
                  "prefill 256": lambda: time_prefill(w, 256, 4)}  # fmt: skip
@@ -90,9 +94,11 @@ def main() -> None:
             # threads None: the worker's own policy (its calibrated count for steps of <= 8 tokens)
             worker_module.SMALL_STEP_TOKENS = 8 if threads is None else 0
             w.max_threads = threads or cores
+            layers.GEMM_MAX_ROWS.update({d: 0 for d in gemm_rows} if name == "oneDNN linears" else gemm_rows)
             for wl, fn in workloads.items():
                 results[wl][name].append(fn())
     os.environ.pop("PAGEDSERVE_CPU_FUSED", None)
+    layers.GEMM_MAX_ROWS.update(gemm_rows)
     print(f"dtype {w.dtype}, {cores} cores, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}, "
           f"torch {torch.__version__}")  # fmt: skip
     print(f"{'workload':<12} " + " ".join(f"{v:>20}" for v in variants))

@@ -4,8 +4,9 @@
 // decode step of one row at 3-7 GB/s (oneDNN's kernels on prepacked weights, MKL for F.linear),
 // where the core reads 10 GB/s. The kernel below keeps a 6 x 16 tile of y in 12 ymm registers and
 // streams a panel of 16 output features (K x 16 floats, laid out in the order the kernel reads
-// them) once from memory per call, reusing it from cache for every group of 6 rows. It wins at
-// few rows (layers.GEMM_MAX_ROWS says where); past that oneDNN's blocking of rows wins.
+// them) once from memory per call, reusing it from cache for every group of 6 rows. On the Zen 3
+// core it beat oneDNN (AVX2, prepacked weights) at every row count of SmolLM2's layers, 1-1024
+// (layers.GEMM_MAX_ROWS gives the figures).
 //
 // Layout: packed [ceil(N / 16), K, 16]: panel p holds W[16 p + j, k] at (p, k, j); the features
 // past N are zero. Sums over k run in order with FMA (results differ from MKL's by rounding).
@@ -38,13 +39,18 @@ constexpr int64_t NR = 16;   // output features per panel (2 ymm)
 constexpr int64_t MR = 6;    // rows per tile: 12 accumulators + 2 panel vectors + 1 broadcast
 constexpr int64_t KC = 512;  // k per pass: a panel slice of 32 KB stays in L1/L2 across a row block
 constexpr int64_t MC = 96;   // rows per block: 96 x KC floats of x (192 KB) stay in L2
+// Up to MC rows (decode): each panel in even passes of at most KD k, a slice of <= 16 KB that stays
+// in L1 for all of the panel's row tiles, while those tiles prefetch the next slice between them.
+constexpr int64_t KD = 256;
+constexpr int64_t PF_MIN_ROWS = 4;  // below, one tile streams the panel and the prefetcher suffices
 
 #if defined(PAGEDSERVE_GEMM)
 // y[m, 0:16] (+)= sum over k < kc of x[m, k] * panel[k, 0:16] for m < R (R <= MR). `first`: the
-// tile starts from the bias (or zero) instead of y.
+// tile starts from the bias (or zero) instead of y. The first `pf_n` k steps each prefetch one
+// 64-byte line from `pf` on (the next panel slice).
 template <int R>
 inline void tile(const float* x, int64_t ldx, const float* panel, int64_t kc, float* y, int64_t ldy,
-                 const float* bias, bool first) {
+                 const float* bias, bool first, const char* pf, int64_t pf_n) {
   // named accumulators, not an array: GCC kept an array of __m256 on the stack, a store per FMA
   __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
   if (first) {
@@ -62,18 +68,25 @@ inline void tile(const float* x, int64_t ldx, const float* panel, int64_t kc, fl
     PS_LOAD(0) PS_LOAD(1) PS_LOAD(2) PS_LOAD(3) PS_LOAD(4) PS_LOAD(5)
 #undef PS_LOAD
   }
-  const float* x0 = x;
-  for (int64_t k = 0; k < kc; ++k) {
-    const __m256 w0 = _mm256_loadu_ps(panel + NR * k), w1 = _mm256_loadu_ps(panel + NR * k + 8);
-#define PS_FMA(m)                                             \
-  if constexpr (R > m) {                                      \
-    const __m256 a = _mm256_broadcast_ss(x0 + m * ldx + k);   \
-    c##m##0 = _mm256_fmadd_ps(a, w0, c##m##0);                \
-    c##m##1 = _mm256_fmadd_ps(a, w1, c##m##1);                \
+#define PS_FMA(m)                                            \
+  if constexpr (R > m) {                                     \
+    const __m256 a = _mm256_broadcast_ss(x + m * ldx + k);   \
+    c##m##0 = _mm256_fmadd_ps(a, w0, c##m##0);               \
+    c##m##1 = _mm256_fmadd_ps(a, w1, c##m##1);               \
   }
-    PS_FMA(0) PS_FMA(1) PS_FMA(2) PS_FMA(3) PS_FMA(4) PS_FMA(5)
+#define PS_STEP                                                                                    \
+  {                                                                                                \
+    const __m256 w0 = _mm256_loadu_ps(panel + NR * k), w1 = _mm256_loadu_ps(panel + NR * k + 8);   \
+    PS_FMA(0) PS_FMA(1) PS_FMA(2) PS_FMA(3) PS_FMA(4) PS_FMA(5)                                    \
+  }
+  int64_t k = 0;
+  for (const int64_t kp = std::min(pf_n, kc); k < kp; ++k) {
+    _mm_prefetch(pf + 64 * k, _MM_HINT_T0);
+    PS_STEP
+  }
+  for (; k < kc; ++k) PS_STEP
+#undef PS_STEP
 #undef PS_FMA
-  }
 #define PS_STORE(m)                               \
   if constexpr (R > m) {                          \
     _mm256_storeu_ps(y + m * ldy, c##m##0);       \
@@ -85,7 +98,8 @@ inline void tile(const float* x, int64_t ldx, const float* panel, int64_t kc, fl
 
 // A partial last panel reads its tile from y only through `cols` columns: widen it through a buffer.
 inline void tile_rows(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t kc, float* y,
-                      int64_t ldy, const float* bias, bool first, int64_t cols) {
+                      int64_t ldy, const float* bias, bool first, int64_t cols, const char* pf = nullptr,
+                      int64_t pf_n = 0) {
   alignas(32) float scratch[MR * NR];
   float* out = y;
   int64_t ld = ldy;
@@ -104,12 +118,12 @@ inline void tile_rows(int64_t rows, const float* x, int64_t ldx, const float* pa
     b = padded_bias;
   }
   switch (rows) {
-    case 1: tile<1>(x, ldx, panel, kc, out, ld, b, first); break;
-    case 2: tile<2>(x, ldx, panel, kc, out, ld, b, first); break;
-    case 3: tile<3>(x, ldx, panel, kc, out, ld, b, first); break;
-    case 4: tile<4>(x, ldx, panel, kc, out, ld, b, first); break;
-    case 5: tile<5>(x, ldx, panel, kc, out, ld, b, first); break;
-    default: tile<6>(x, ldx, panel, kc, out, ld, b, first); break;
+    case 1: tile<1>(x, ldx, panel, kc, out, ld, b, first, pf, pf_n); break;
+    case 2: tile<2>(x, ldx, panel, kc, out, ld, b, first, pf, pf_n); break;
+    case 3: tile<3>(x, ldx, panel, kc, out, ld, b, first, pf, pf_n); break;
+    case 4: tile<4>(x, ldx, panel, kc, out, ld, b, first, pf, pf_n); break;
+    case 5: tile<5>(x, ldx, panel, kc, out, ld, b, first, pf, pf_n); break;
+    default: tile<6>(x, ldx, panel, kc, out, ld, b, first, pf, pf_n); break;
   }
   if (cols < NR)
     for (int64_t m = 0; m < rows; ++m) std::memcpy(y + m * ldy, scratch + m * NR, cols * sizeof(float));
@@ -293,14 +307,45 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const c1
   const float* xp = xc.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // threads split the panels (output features); each thread runs its panels over every row block
+  if (M == 0) return y.view(out_shape);
+  // threads split the panels (output features)
+  if (M <= MC) {
+    // few rows (decode): panel by panel, each in even passes of <= KD k. Row tiles of equal size
+    // unless that makes them shorter than 5 rows (8 rows ran 1.2x slower as 4 + 4 than as 6 + 2).
+    const int64_t passes = (K + KD - 1) / KD, tiles = (M + MR - 1) / MR;
+    const bool equal = M / tiles >= 5;
+    at::parallel_for(0, panels, 4, [&](int64_t p0, int64_t p1) {
+      const char* end = reinterpret_cast<const char*>(wp + p1 * K * NR);  // this thread's last panel ends
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t cols = std::min(NR, N - p * NR);
+        for (int64_t s = 0, k0 = 0; s < passes; ++s) {
+          const int64_t kc = (K - k0 + passes - s - 1) / (passes - s);
+          const float* panel = wp + (p * K + k0) * NR;
+          // the next slice follows in memory (this panel's next pass or the next panel's first):
+          // its kc lines of 64 B are prefetched in shares spread over this slice's tiles
+          const char* next = reinterpret_cast<const char*>(panel + kc * NR);
+          int64_t lines = M < PF_MIN_ROWS ? 0 : std::min<int64_t>(kc, std::max<int64_t>(0, (end - next) / 64));
+          for (int64_t t = 0, m = 0; t < tiles; ++t) {
+            const int64_t rows = equal ? (M - m + tiles - t - 1) / (tiles - t) : std::min(MR, M - m);
+            const int64_t share = (lines + tiles - t - 1) / (tiles - t);
+            tile_rows(rows, xp + m * K + k0, K, panel, kc, yp + m * N + p * NR, N, bp ? bp + p * NR : nullptr,
+                      k0 == 0, cols, next, share);
+            next += 64 * share;
+            lines -= share;
+            m += rows;
+          }
+          k0 += kc;
+        }
+      }
+    });
+    return y.view(out_shape);
+  }
+  // more rows (prefill): blocks of MC rows x KC k, each panel slice reused over a row block
   at::parallel_for(0, panels, 4, [&](int64_t p0, int64_t p1) {
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
       const int64_t mc = std::min(MC, M - m0);
-      // few rows (decode): each panel whole, the packed weight read in one sequential stream
-      const int64_t kc_block = M <= MC ? K : KC;
-      for (int64_t k0 = 0; k0 < K; k0 += kc_block) {
-        const int64_t kc = std::min(kc_block, K - k0);
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = std::min(KC, K - k0);
         for (int64_t p = p0; p < p1; ++p) {
           const float* panel = wp + (p * K + k0) * NR;
           const int64_t cols = std::min(NR, N - p * NR);

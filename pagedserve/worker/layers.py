@@ -72,13 +72,15 @@ def _all_gather_last(x: Tensor, tp_size: int) -> Tensor:
 
 
 # Rows up to which a linear layer runs the kernels of cpu_gemm.cpp rather than oneDNN, by dtype.
-# fp32 (AVX2): one tile of rows. SmolLM2's 30 layers and LM head, one thread, against oneDNN on
-# prepacked weights capped at AVX2 (ONEDNN_MAX_CPU_ISA=AVX2, a Zen 5 core): 0.75x the time at 1-4
-# rows, 0.95x at 6, 1.1-1.2x at 8-16 (on a Zen 3 core 1.5-1.9x faster at 1 row).
+# fp32 (AVX2, no AVX-512): all. SmolLM2's 30 layers and LM head against oneDNN on prepacked weights
+# (2 vCPUs of a Zen 3 EPYC, 2026-12-03): one thread 0.83x the time at 1 row, 0.59x at 4, 0.70x at
+# 16 (61 against 87 ms), 0.81x at 64; two threads (prefill) 0.68x at 16, 0.92-0.94x at 128-1024
+# rows. (On a Zen 5 core with oneDNN capped at AVX2 an earlier build lost from 8 rows on; there
+# fp32 runs oneDNN's AVX-512 kernels, not these.)
 # bf16 (AVX512-BF16, no AMX): against oneDNN's AVX512-BF16 kernels on prepacked weights, one Zen 5
 # core: 0.66-0.72x the time at 1-12 rows (39 against 26 GB/s of weights at 1 row), 0.85-0.93x at
 # 16-32, 0.99x at 64.
-GEMM_MAX_ROWS = {torch.float32: 6, torch.bfloat16: 32}
+GEMM_MAX_ROWS = {torch.float32: math.inf, torch.bfloat16: 32}
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: Tensor | None = None,
