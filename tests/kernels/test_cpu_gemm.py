@@ -117,7 +117,7 @@ def gemm_on(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=bf16_kernel)])
-def test_layers_take_the_kernel_up_to_its_row_limit_and_match_the_product(monkeypatch, gemm_on, dtype) -> None:
+def test_layers_take_the_kernel_up_to_its_row_limit_and_match_product(monkeypatch, gemm_on, dtype) -> None:
     torch.manual_seed(1)
     lin = layers.ColumnParallelLinear(64, 80, bias=True).to(dtype)
     lin.weight.data.copy_(torch.randn(80, 64))
