@@ -80,6 +80,7 @@ def main() -> None:
     args = ap.parse_args()
     w = Worker(str(resolve_model(None)), dtype=args.dtype)
     w.init_kv_pool(num_blocks=1024, block_size=BLOCK)
+    layers.prepack_linear_weights(w.model, onednn_always=True)  # for the oneDNN linears variant
     cores = os.cpu_count() or 1
     variants = {"fused": ("1", None), "unfused": ("0", None), "fused 1 thread": ("1", 1),
                 f"fused {cores} threads": ("1", cores), "oneDNN linears": ("1", None)}  # fmt: skip

@@ -96,7 +96,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: Tensor | None
     return F.linear(x, weight, bias)
 
 
-def prepack_linear_weights(model: nn.Module) -> int:
+def prepack_linear_weights(model: nn.Module, onednn_always: bool = False) -> int:
     """Reorder every linear layer's weight once into oneDNN's blocked layout (CPU only), and where
     cpu.gemm_enabled says also into the panels of cpu_gemm.cpp's kernels (fp32 on CPUs without
     AVX-512, for steps of any size; bf16 on CPUs with AVX512-BF16 but no AMX, for steps of few rows).
@@ -107,7 +107,9 @@ def prepack_linear_weights(model: nn.Module) -> int:
     23.5 -> 8.4 and 45.2 -> 13.7 ms, with fp32 results equal to the plain path's to ~1e-6 (what
     vLLM's CPU backend and inductor's freezing do). The kernels of cpu_gemm.cpp beat oneDNN where
     they run (GEMM_MAX_ROWS gives the figures and the rows up to which they run). The plain
-    weights stay (a tied LM head shares the embedding's; the loader's tests read them). Returns
+    weights stay (a tied LM head shares the embedding's; the loader's tests read them). Where the
+    kernels take every row count (fp32 on AVX2) there is no oneDNN copy, which would never run and
+    would double the weights' memory, unless `onednn_always` (bench-step's comparison). Returns
     the number of layers prepacked.
     """
     if not torch.backends.mkldnn.is_available():
@@ -122,9 +124,11 @@ def prepack_linear_weights(model: nn.Module) -> int:
                 continue
             if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
                 continue
-            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-            if cpu.gemm_enabled(weight.dtype):
+            gemm = cpu.gemm_enabled(weight.dtype)
+            if gemm:
                 module.gemm_weight = cpu.extension().pack_linear(weight.detach())
+            if onednn_always or not gemm or GEMM_MAX_ROWS[weight.dtype] < math.inf:
+                module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
             count += 1
     return count
 

@@ -6,6 +6,7 @@ that take it."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -124,6 +125,8 @@ def test_layers_take_the_kernel_up_to_its_row_limit_and_match_product(monkeypatc
     lin.bias.data.copy_(torch.randn(80))
     assert layers.prepack_linear_weights(lin) == 1
     assert lin.gemm_weight is not None and lin.gemm_weight.dtype == dtype
+    # no oneDNN copy of the weight where the kernel takes every row count (it would never run)
+    assert (lin.packed_weight is None) == (layers.GEMM_MAX_ROWS[dtype] == math.inf)
     calls = []
     real = ext.linear_packed
     monkeypatch.setattr(ext, "linear_packed", lambda *a: calls.append(a[0].shape[0]) or real(*a))
