@@ -10,8 +10,14 @@ through ``Worker.execute`` (metadata, model, LM head, sampling: what a served st
 - ``oneDNN linears``: every linear layer on oneDNN's prepacked weights, none on the kernels of
   cpu_gemm.cpp (where the dtype has one on this CPU: fp32 on AVX2, bf16 on AVX512-BF16 without AMX).
 
-Prints the median step time of each (workload, variant) and the ratio to the default's. Run with
-OMP_WAIT_POLICY=PASSIVE as the server does: ``make bench-step`` (about 2 minutes).
+Prints the median step time of each (workload, variant) and the ratio to the default's. Then the
+decode attention kernel alone over 30 layers' pools of the model's KV shape (random KV, blocks at
+random places in pools larger than the caches), 16 sequences of 300 tokens each, and of 800 whose
+first 512 are the same blocks in every table (a shared prompt prefix from the prefix cache): one
+thread reading shared blocks once for all sequences (the default) or once per sequence
+(PAGEDSERVE_CPU_SHARE_BLOCKS=0), and two threads (what a served decode step over that much KV
+runs its attention on: Worker._size_threads). Run with OMP_WAIT_POLICY=PASSIVE as the server
+does: ``make bench-step`` (about 3 minutes).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import time
 
 import torch
 
+from pagedserve.kernels import cpu as cpu_kernels
 from pagedserve.plan import ScheduledSeq, StepPlan
 from pagedserve.worker import layers
 from pagedserve.worker import worker as worker_module
@@ -72,6 +79,35 @@ def time_prefill(w: Worker, tokens: int, repeats: int) -> float:
     return statistics.median(times[1:])
 
 
+def time_attention(w: Worker, context: int, prefix: int, threads: int, share: bool) -> float:
+    """Median time of one decode attention call in each of the model's layers over 16 sequences
+    of `context` tokens, the first `prefix` of them in the same blocks for all (kernel alone)."""
+    batch, pools = 16, w.pool.kv_caches
+    per, shared = -(-context // BLOCK), prefix // BLOCK
+    num_blocks = pools[0][0].shape[0]
+    gen = torch.Generator().manual_seed(context + prefix)
+    perm = torch.randperm(num_blocks, generator=gen)
+    own = per - shared
+    first = perm[:shared].tolist()
+    rows = [first + perm[shared + b * own : shared + (b + 1) * own].tolist() for b in range(batch)]
+    tables = torch.tensor(rows, dtype=torch.int32)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    k0 = pools[0][0]
+    heads = w.hf_config.num_attention_heads
+    q = torch.randn(batch, heads, k0.shape[-1], generator=gen).to(k0.dtype)
+    cpu_kernels.SHARE_BLOCKS = share
+    cpu_kernels.set_decode_threads(threads)
+    times = []
+    for _ in range(8):
+        t0 = time.perf_counter()
+        for k, v in pools:
+            cpu_kernels.paged_decode(q, k, v, tables, lens, 0.125)
+        times.append(time.perf_counter() - t0)
+    cpu_kernels.SHARE_BLOCKS = True
+    cpu_kernels.set_decode_threads(0)
+    return statistics.median(times[2:])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="auto")
@@ -112,6 +148,25 @@ def main() -> None:
             cells.append(f"{m * 1e3:8.2f} ms ({m / base:4.2f}x)")
             summary[f"{wl} {v}"] = round(m * 1e3, 2)
         print(f"{wl:<12} " + " ".join(f"{c:>20}" for c in cells))
+    if cpu_kernels.extension() is not None:
+        attention = {"1 thread": (1, True), "1 thread, shared blocks per sequence": (1, False),
+                     "2 threads": (2, True)}  # fmt: skip
+        cases = {"300 tokens": (300, 0), "800, 512 shared": (800, 512)}
+        times: dict[tuple[str, str], list[float]] = {}
+        for _ in range(args.rounds):
+            for case, (context, prefix) in cases.items():
+                for name, (threads, share) in attention.items():
+                    t = time_attention(w, context, prefix, threads, share)
+                    times.setdefault((case, name), []).append(t)
+        print(f"decode attention, 16 sequences, {len(w.pool.kv_caches)} layers (kernel alone):")
+        for case in cases:
+            base = statistics.median(times[(case, "1 thread")])
+            cells = []
+            for name in attention:
+                m = statistics.median(times[(case, name)])
+                cells.append(f"{name} {m * 1e3:.2f} ms ({m / base:.2f}x)")
+                summary[f"attention {case} {name}"] = round(m * 1e3, 2)
+            print(f"  {case:<16} " + "; ".join(cells))
     print(json.dumps(summary))
 
 

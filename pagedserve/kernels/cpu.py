@@ -40,6 +40,22 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_decode.cpp", "c
 HEADERS = (Path(__file__).with_name("cpu_vec.h"),)
 copy_blocks = reference.copy_blocks
 swap_blocks = reference.swap_blocks
+# Decode rows of sequences whose block tables begin with the same blocks (a shared prompt prefix
+# from the prefix cache, the forks of an n > 1 request) read those blocks once for all of them,
+# block-major, instead of once per sequence. PAGEDSERVE_CPU_SHARE_BLOCKS=0 turns that off (for
+# benchmarks: the results are the same).
+SHARE_BLOCKS = os.environ.get("PAGEDSERVE_CPU_SHARE_BLOCKS", "1") != "0"
+_decode_threads = 0  # see set_decode_threads
+
+
+def set_decode_threads(threads: int) -> None:
+    """How many threads the decode attention kernel runs on from now on (0: torch's count, what
+    the rest of the step runs on). A step that reads a lot of KV can give its attention more
+    threads than its linears: that kernel is bound by memory, and its parallel regions are long
+    enough that waking a thread on a core shared with the HTTP stack costs little. Process-wide,
+    as torch.set_num_threads is; the worker sets it every step."""
+    global _decode_threads
+    _decode_threads = max(0, int(threads))
 
 
 def _build_dir() -> Path:
@@ -121,7 +137,7 @@ def paged_decode(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: 
     tables = block_tables if block_tables.dtype == torch.int32 else block_tables.int()
     lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.int()
     return ext.paged_decode(query, k_cache, v_cache, tables.contiguous(), lens.contiguous(), scale,
-                            sliding_window or 0)  # fmt: skip
+                            sliding_window or 0, SHARE_BLOCKS, _decode_threads)  # fmt: skip
 
 
 def paged_attention(

@@ -4,15 +4,19 @@
 // Layout (as reference.py): q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D];
 // block_tables int32 [B, max_blocks]; seq_lens int32 [B] (KV length including this token).
 // Query head h reads KV head h / (Hq / Hkv). Token positions p < seq_len are visible, and
-// p >= seq_len - window when window > 0. One task per sequence. Two passes over its keys (scores,
-// then the weighted sum of V), accumulated in fp32. A sequence with no visible key gets zeros.
+// p >= seq_len - window when window > 0. Two passes over each sequence's keys (scores, then the
+// weighted sum of V), accumulated in fp32; sequences whose tables begin with the same blocks read
+// those once for all of them (visit_sequences). A sequence with no visible key gets zeros.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
+#include <utility>
 #include <type_traits>
 #include <vector>
 
@@ -169,73 +173,207 @@ struct Paged {
   }
 };
 
+// The scratch of one sequence in a decode task: its visible keys [start, len) in table entries
+// [first, last]; its query rows in fp32, scaled (the kernels that widen q); scores [Hq, n], then
+// their exponentials; the P . V accumulators [Hq, D]; one K or V row widened (the generic loop).
+struct Slot {
+  int64_t b = 0, start = 0, len = 0, n = 0, first = 0, last = 0;
+  std::vector<float> qf, scores, acc, inv, row;
+};
+
+constexpr int64_t kMaxGroup = 64;  // sequences visited together over their shared blocks
+
+// Runs a decode kernel over the sequences of one call. Sequences whose tables begin with the same
+// blocks (a prompt prefix cached once and shared by reference, the forks of one request) are
+// visited block-major over those leading blocks, so each shared block is read from memory once for
+// all of them (once per unit of work, on several threads), then each sequence's own blocks in
+// order; where none share (or group is false) that is one sequence after another, each block once.
+// Both passes keep every sequence's scores, so the visiting order changes no result. The kernel
+// provides begin(slot) (its query rows), and scores(slot, j, blk, next) and pv(slot, j, blk, next):
+// the keys of table entry j, held at blk; next is the block read after this one (nullptr: none, or
+// already in cache), for it to prefetch.
+template <typename T, typename Kern>
+void visit_sequences(const Paged<T>& pg, int64_t window, bool group, int64_t threads, const Kern& kern) {
+  const int64_t B = pg.B, bs = pg.bs, Hq = pg.Hq, D = pg.D, block_stride = pg.block_stride;
+  group = group && window <= 0 && B > 1;
+  // equal for two sequences only where they share their first block (a sequence with no key: its own)
+  auto lead = [&](int64_t b) { return pg.lens[b] > 0 ? pg.block(b, 0) : -1 - b; };
+  std::vector<int64_t> order(B);
+  std::iota(order.begin(), order.end(), int64_t{0});
+  if (group) std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return lead(x) < lead(y); });
+
+  struct Step {
+    int64_t slot, j, block;
+  };
+  struct Scratch {
+    std::vector<Slot> slots;
+    std::vector<Step> walk;  // (slot, table entry, pool block) in visiting order
+    std::vector<int64_t> stream, at;
+  };
+  auto task = [&](int64_t begin, int64_t end, Scratch& scratch) {
+    std::vector<Slot>& slots = scratch.slots;
+    std::vector<Step>& walk = scratch.walk;
+    std::vector<int64_t>& stream = scratch.stream;
+    std::vector<int64_t>& at = scratch.at;
+    for (int64_t i = begin; i < end;) {
+      int64_t r = i + 1;
+      if (group)
+        while (r < end && r - i < kMaxGroup && lead(order[r]) == lead(order[i])) ++r;
+      if (static_cast<int64_t>(slots.size()) < r - i) slots.resize(r - i);
+      int64_t live = 0;
+      for (int64_t k = i; k < r; ++k) {
+        const int64_t b = order[k], len = pg.lens[b], start = pg.first_key(b, window);
+        if (len - start <= 0) {
+          pg.store_zeros(b);
+          continue;
+        }
+        Slot& s = slots[live++];
+        s.b = b, s.start = start, s.len = len, s.n = len - start, s.first = start / bs, s.last = (len - 1) / bs;
+        s.scores.resize(Hq * s.n);
+        s.acc.assign(Hq * D, 0.0f);
+        s.inv.resize(Hq);
+        kern.begin(s);
+      }
+      // leading table entries equal in every member (runs of more than one start at key 0)
+      int64_t shared = live > 1 ? slots[0].last + 1 : 0;
+      for (int64_t k = 1; k < live && shared > 0; ++k) {
+        const int32_t* lead_row = pg.tables + slots[0].b * pg.max_blocks;
+        const int32_t* row = pg.tables + slots[k].b * pg.max_blocks;
+        int64_t e = 0;
+        const int64_t limit = std::min(shared, slots[k].last + 1);
+        while (e < limit && row[e] == lead_row[e]) ++e;
+        shared = e;
+      }
+      walk.clear();
+      for (int64_t j = 0; j < shared; ++j)
+        for (int64_t k = 0; k < live; ++k) walk.push_back({k, j, pg.block(slots[k].b, j)});
+      for (int64_t k = 0; k < live; ++k)
+        for (int64_t j = std::max(slots[k].first, shared); j <= slots[k].last; ++j)
+          walk.push_back({k, j, pg.block(slots[k].b, j)});
+      const int64_t steps = static_cast<int64_t>(walk.size());
+      // the blocks in the order first read: K in walk order, then V; step w of pass p first reads
+      // stream[p * distinct + at[w]] where it starts a run of its block
+      stream.clear();
+      at.resize(steps);
+      for (int64_t w = 0; w < steps; ++w) {
+        if (w == 0 || walk[w].block != walk[w - 1].block) stream.push_back(walk[w].block);
+        at[w] = static_cast<int64_t>(stream.size()) - 1;
+      }
+      const int64_t distinct = static_cast<int64_t>(stream.size());
+      for (int pass = 0; pass < 2; ++pass) {
+        const T* cache = pass == 0 ? pg.kp : pg.vp;
+        for (int64_t w = 0; w < steps; ++w) {
+          const Step& st = walk[w];
+          const T* next = nullptr;
+          if (w == 0 || walk[w - 1].block != st.block) {  // the first visit of this block
+            const int64_t ahead = pass * distinct + at[w] + 1;
+            if (ahead < 2 * distinct)
+              next = (ahead < distinct ? pg.kp : pg.vp) + stream[ahead % distinct] * block_stride;
+          }
+          const T* blk = cache + st.block * block_stride;
+          if (pass == 0) kern.scores(slots[st.slot], st.j, blk, next);
+          else kern.pv(slots[st.slot], st.j, blk, next);
+        }
+        if (pass == 0)
+          for (int64_t k = 0; k < live; ++k)
+            for (int64_t hq = 0; hq < Hq; ++hq)
+              slots[k].inv[hq] = 1.0f / exp_shifted(slots[k].scores.data() + hq * slots[k].n, slots[k].n);
+      }
+      for (int64_t k = 0; k < live; ++k) pg.store(slots[k].b, slots[k].acc.data(), slots[k].inv.data());
+      i = r;
+    }
+  };
+  // On `threads` threads (<= 0: torch's count; the caller may ask for more threads than the rest
+  // of its step runs on, where the KV to read makes this region long), each taking the next unit
+  // of `order` as it finishes one: a thread on a core busy with something else (served, the HTTP
+  // stack's) then leaves its share to the others instead of holding up the region. Units: one
+  // sequence, or up to kPiece of a run sharing blocks (each unit reads those blocks once).
+  const int64_t nt = std::min<int64_t>(B, threads > 0 ? threads : at::get_num_threads());
+  if (nt <= 1 || at::in_parallel_region()) {
+    Scratch scratch;
+    task(0, B, scratch);
+    return;
+  }
+  constexpr int64_t kPiece = 4;
+  std::vector<std::pair<int64_t, int64_t>> units;
+  for (int64_t i = 0; i < B;) {
+    int64_t r = i + 1;
+    if (group)
+      while (r < B && r - i < kPiece && lead(order[r]) == lead(order[i])) ++r;
+    units.emplace_back(i, r);
+    i = r;
+  }
+  std::atomic<int64_t> next_unit{0};
+  const int64_t num_units = static_cast<int64_t>(units.size());
+#pragma omp parallel num_threads(static_cast<int>(nt))
+  {
+    Scratch scratch;
+    for (int64_t u = next_unit++; u < num_units; u = next_unit++) task(units[u].first, units[u].second, scratch);
+  }
+}
+
 template <typename T>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out, double scale,
-            int64_t window) {
+            int64_t window, bool group, int64_t threads) {
   const Paged<T> pg(q, k_cache, v_cache, block_tables, seq_lens, out);
-  const int64_t B = pg.B, Hq = pg.Hq, D = pg.D, bs = pg.bs, Hkv = pg.Hkv, G = pg.G;
-  const int64_t row_stride = pg.row_stride, block_stride = pg.block_stride;
-  const float fscale = static_cast<float>(scale);
-
-  // One task per sequence: its blocks are read whole and in order (K, then V), every KV head of a
-  // token row at once, each K or V row widened once for the G query heads that read it.
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(Hq * D), acc(Hq * D), row(Hkv * D), scores, inv(Hq);
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t len = pg.lens[b], start = pg.first_key(b, window), n = len - start;
-      if (n <= 0) {
-        pg.store_zeros(b);
-        continue;
-      }
+  // Each block's rows are read whole and in order (K, then V), every KV head of a token row at
+  // once, each K or V row widened once for the G query heads that read it.
+  struct Kern {
+    const Paged<T>& pg;
+    float fscale;
+    void begin(Slot& s) const {
+      const int64_t Hq = pg.Hq, D = pg.D;
+      s.qf.resize(Hq * D);
+      s.row.resize(pg.Hkv * D);
       for (int64_t h = 0; h < Hq; ++h) {
-        to_float(pg.qp + b * pg.qs_b + h * pg.qs_h, qf.data() + h * D, D);
-        for (int64_t d = 0; d < D; ++d) qf[h * D + d] *= fscale;
+        to_float(pg.qp + s.b * pg.qs_b + h * pg.qs_h, s.qf.data() + h * D, D);
+        for (int64_t d = 0; d < D; ++d) s.qf[h * D + d] *= fscale;
       }
-      scores.resize(Hq * n);
-      const int64_t first_block = start / bs, last_block = (len - 1) / bs;
-      for (int pass = 0; pass < 2; ++pass) {
-        const T* cache = pass == 0 ? pg.kp : pg.vp;
-        if (pass == 1) std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t j = first_block; j <= last_block; ++j) {
-          const T* blk = cache + pg.block(b, j) * block_stride;
-          if (j < last_block) prefetch(cache + pg.block(b, j + 1) * block_stride, block_stride * sizeof(T));
-          const int64_t t0 = std::max(start, j * bs), t1 = std::min(len, (j + 1) * bs);
-#if defined(__AVX512F__)
-          if constexpr (kVectorized<T>) {
-            if (pass == 0 && D % 16 == 0 && D <= 256) {
-              for (int64_t c0 = t0; c0 < t1; c0 += 16)
-                block_scores(qf.data(), blk, c0 - j * bs, c0, std::min(t1, c0 + 16), start, n, Hkv, G, D,
-                             scores.data());
-              continue;
-            }
-          }
-#endif
-          for (int64_t t = t0; t < t1; ++t) {
-            to_float(blk + (t - j * bs) * row_stride, row.data(), Hkv * D);
-            for (int64_t hq = 0; hq < Hq; ++hq) {
-              const float* r = row.data() + (hq / G) * D;
-              if (pass == 0) {
-                const float* qh = qf.data() + hq * D;
-                float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-                for (int64_t d = 0; d < D; ++d) s += qh[d] * r[d];
-                scores[hq * n + (t - start)] = s;
-              } else {
-                const float p = scores[hq * n + (t - start)];
-                float* ah = acc.data() + hq * D;
-#pragma omp simd
-                for (int64_t d = 0; d < D; ++d) ah[d] += p * r[d];
-              }
-            }
-          }
-        }
-        if (pass == 0)
-          for (int64_t hq = 0; hq < Hq; ++hq) inv[hq] = 1.0f / exp_shifted(scores.data() + hq * n, n);
-      }
-      pg.store(b, acc.data(), inv.data());
     }
-  });
+    void scores(Slot& s, int64_t j, const T* blk, const T* next) const {
+      const int64_t Hq = pg.Hq, D = pg.D, G = pg.G, bs = pg.bs, n = s.n, start = s.start;
+      if (next) prefetch(next, pg.block_stride * sizeof(T));
+      const int64_t t0 = std::max(start, j * bs), t1 = std::min(s.len, (j + 1) * bs);
+#if defined(__AVX512F__)
+      if constexpr (kVectorized<T>) {
+        if (D % 16 == 0 && D <= 256) {
+          for (int64_t c0 = t0; c0 < t1; c0 += 16)
+            block_scores(s.qf.data(), blk, c0 - j * bs, c0, std::min(t1, c0 + 16), start, n, pg.Hkv, G, D,
+                         s.scores.data());
+          return;
+        }
+      }
+#endif
+      for (int64_t t = t0; t < t1; ++t) {
+        to_float(blk + (t - j * bs) * pg.row_stride, s.row.data(), pg.Hkv * D);
+        for (int64_t hq = 0; hq < Hq; ++hq) {
+          const float* r = s.row.data() + (hq / G) * D;
+          const float* qh = s.qf.data() + hq * D;
+          float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t d = 0; d < D; ++d) sum += qh[d] * r[d];
+          s.scores[hq * n + (t - start)] = sum;
+        }
+      }
+    }
+    void pv(Slot& s, int64_t j, const T* blk, const T* next) const {
+      const int64_t Hq = pg.Hq, D = pg.D, G = pg.G, bs = pg.bs, n = s.n, start = s.start;
+      if (next) prefetch(next, pg.block_stride * sizeof(T));
+      const int64_t t0 = std::max(start, j * bs), t1 = std::min(s.len, (j + 1) * bs);
+      for (int64_t t = t0; t < t1; ++t) {
+        to_float(blk + (t - j * bs) * pg.row_stride, s.row.data(), pg.Hkv * D);
+        for (int64_t hq = 0; hq < Hq; ++hq) {
+          const float* r = s.row.data() + (hq / G) * D;
+          const float p = s.scores[hq * n + (t - start)];
+          float* ah = s.acc.data() + hq * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ah[d] += p * r[d];
+        }
+      }
+    }
+  };
+  visit_sequences(pg, window, group, threads, Kern{pg, static_cast<float>(scale)});
 }
 
 #if defined(__AVX512BF16__)
@@ -304,86 +442,71 @@ inline bool bf16_dot_head_dim(int64_t D) { return D == 32 || D == 64 || D == 96 
 
 void decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out, double scale,
-                 int64_t window) {
+                 int64_t window, bool group, int64_t threads) {
   using T = at::BFloat16;
   const Paged<T> pg(q, k_cache, v_cache, block_tables, seq_lens, out);
-  const int64_t B = pg.B, Hq = pg.Hq, D = pg.D, bs = pg.bs, Hkv = pg.Hkv, G = pg.G;
-  const int64_t row_stride = pg.row_stride, block_stride = pg.block_stride;
-  const int64_t qs_h = pg.qs_h;  // locals: the vector stores below may alias pg's fields
-  const T* kp = pg.kp;
-  const T* vp = pg.vp;
-  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
-  const int64_t nc = D / 32, ch = (D / 16) % 4 == 0 ? 4 : 2;  // D % 32 == 0
-  const int64_t block_lines = (block_stride * static_cast<int64_t>(sizeof(T)) + 63) / 64;
-  // part i of `parts` of the block at p, asked for ahead of use: blocks sit at random places in
-  // the pool, and one prefetch burst of a whole block stalls on the fill buffers
-  auto prefetch_part = [block_lines](const T* p, int64_t i, int64_t parts) {
-    const char* c = reinterpret_cast<const char*>(p);
-    for (int64_t l = block_lines * i / parts; l < block_lines * (i + 1) / parts; ++l)
-      __builtin_prefetch(c + 64 * l, 0, 3);
-  };
-
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(Hq * D), scores, inv(Hq);
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t len = pg.lens[b], start = pg.first_key(b, window), n = len - start;
-      if (n <= 0) {
-        pg.store_zeros(b);
-        continue;
-      }
-      const T* qb = pg.qp + b * pg.qs_b;
-      scores.resize(Hq * n);
-      const int64_t first_block = start / bs, last_block = (len - 1) / bs;
-      for (int64_t j = first_block; j <= last_block; ++j) {  // scores
-        const T* blk = kp + pg.block(b, j) * block_stride;
-        // ahead: the next K block, or after the last one the first V block
-        const T* next = (j < last_block ? kp + pg.block(b, j + 1) * block_stride
-                                        : vp + pg.block(b, first_block) * block_stride);
-        const int64_t t0 = std::max(start, j * bs), t1 = std::min(len, (j + 1) * bs);
-        for (int64_t c0 = t0; c0 < t1; c0 += 16) {
-          const int64_t count = std::min<int64_t>(t1 - c0, 16);
-          const __mmask16 mask = count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
-          const T* rows = blk + (c0 - j * bs) * row_stride;
-          for (int64_t hq = 0; hq < Hq; ++hq) {
-            prefetch_part(next, hq, Hq);
-            const T* qh = qb + hq * qs_h;
-            const T* kh = rows + (hq / G) * D;
-            __m512 s;
-            switch (nc) {
-              case 1: s = scores16<1>(qh, kh, row_stride, count); break;
-              case 2: s = scores16<2>(qh, kh, row_stride, count); break;
-              case 3: s = scores16<3>(qh, kh, row_stride, count); break;
-              case 4: s = scores16<4>(qh, kh, row_stride, count); break;
-              default: s = scores16<8>(qh, kh, row_stride, count); break;
-            }
-            _mm512_mask_storeu_ps(scores.data() + hq * n + (c0 - start), mask, _mm512_mul_ps(s, vscale));
-          }
-        }
-      }
-      for (int64_t hq = 0; hq < Hq; ++hq) inv[hq] = 1.0f / exp_shifted(scores.data() + hq * n, n);
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = first_block; j <= last_block; ++j) {  // P . V
-        const T* blk = vp + pg.block(b, j) * block_stride;
-        const T* next = j < last_block ? vp + pg.block(b, j + 1) * block_stride : nullptr;
-        const int64_t t0 = std::max(start, j * bs), t1 = std::min(len, (j + 1) * bs);
-        const T* rows = blk + (t0 - j * bs) * row_stride;
-        for (int64_t h = 0; h < Hkv; ++h) {
-          if (next) prefetch_part(next, h, Hkv);
-          for (int64_t g0 = 0; g0 < G; g0 += 4) {
-            const int64_t gn = std::min<int64_t>(4, G - g0);
-            const float* p = scores.data() + (h * G + g0) * n + (t0 - start);
-            for (int64_t c = 0; c < D / 16; c += ch) {
-              float* a = acc.data() + (h * G + g0) * D + 16 * c;
-              const T* v = rows + h * D + 16 * c;
-              if (ch == 4) pv_heads<4>(gn, a, D, v, row_stride, p, n, t1 - t0);
-              else pv_heads<2>(gn, a, D, v, row_stride, p, n, t1 - t0);
-            }
-          }
-        }
-      }
-      pg.store(b, acc.data(), inv.data());
+  struct Kern {
+    // locals: the vector stores below may alias pg's fields
+    int64_t Hq, D, bs, Hkv, G, row_stride, qs_b, qs_h, nc, ch, block_lines;
+    const T* qp;
+    __m512 vscale;
+    // part i of `parts` of the block at p, asked for ahead of use: blocks sit at random places in
+    // the pool, and one prefetch burst of a whole block stalls on the fill buffers
+    void prefetch_part(const T* p, int64_t i, int64_t parts) const {
+      const char* c = reinterpret_cast<const char*>(p);
+      for (int64_t l = block_lines * i / parts; l < block_lines * (i + 1) / parts; ++l)
+        __builtin_prefetch(c + 64 * l, 0, 3);
     }
-  });
+    void begin(Slot&) const {}  // q is read in place, bf16
+    void scores(Slot& s, int64_t j, const T* blk, const T* next) const {
+      const T* qb = qp + s.b * qs_b;
+      const int64_t n = s.n, start = s.start;
+      const int64_t t0 = std::max(start, j * bs), t1 = std::min(s.len, (j + 1) * bs);
+      for (int64_t c0 = t0; c0 < t1; c0 += 16) {
+        const int64_t count = std::min<int64_t>(t1 - c0, 16);
+        const __mmask16 mask = count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
+        const T* rows = blk + (c0 - j * bs) * row_stride;
+        for (int64_t hq = 0; hq < Hq; ++hq) {
+          if (next) prefetch_part(next, hq, Hq);
+          const T* qh = qb + hq * qs_h;
+          const T* kh = rows + (hq / G) * D;
+          __m512 sv;
+          switch (nc) {
+            case 1: sv = scores16<1>(qh, kh, row_stride, count); break;
+            case 2: sv = scores16<2>(qh, kh, row_stride, count); break;
+            case 3: sv = scores16<3>(qh, kh, row_stride, count); break;
+            case 4: sv = scores16<4>(qh, kh, row_stride, count); break;
+            default: sv = scores16<8>(qh, kh, row_stride, count); break;
+          }
+          _mm512_mask_storeu_ps(s.scores.data() + hq * n + (c0 - start), mask, _mm512_mul_ps(sv, vscale));
+        }
+      }
+    }
+    void pv(Slot& s, int64_t j, const T* blk, const T* next) const {
+      const int64_t n = s.n, start = s.start;
+      const int64_t t0 = std::max(start, j * bs), t1 = std::min(s.len, (j + 1) * bs);
+      const T* rows = blk + (t0 - j * bs) * row_stride;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        if (next) prefetch_part(next, h, Hkv);
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+          const int64_t gn = std::min<int64_t>(4, G - g0);
+          const float* p = s.scores.data() + (h * G + g0) * n + (t0 - start);
+          for (int64_t c = 0; c < D / 16; c += ch) {
+            float* a = s.acc.data() + (h * G + g0) * D + 16 * c;
+            const T* v = rows + h * D + 16 * c;
+            if (ch == 4) pv_heads<4>(gn, a, D, v, row_stride, p, n, t1 - t0);
+            else pv_heads<2>(gn, a, D, v, row_stride, p, n, t1 - t0);
+          }
+        }
+      }
+    }
+  };
+  const int64_t D = pg.D;
+  const Kern kern{pg.Hq, D, pg.bs, pg.Hkv, pg.G, pg.row_stride, pg.qs_b, pg.qs_h, D / 32,
+                  (D / 16) % 4 == 0 ? 4 : 2,  // D % 32 == 0
+                  (pg.block_stride * static_cast<int64_t>(sizeof(T)) + 63) / 64, pg.qp,
+                  _mm512_set1_ps(static_cast<float>(scale))};
+  visit_sequences(pg, window, group, threads, kern);
 }
 #endif
 
@@ -441,81 +564,71 @@ inline bool f32_avx2_head_dim(int64_t D) { return D % 16 == 0 && (D <= 128 || D 
 
 void decode_f32_avx2(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out, double scale,
-                     int64_t window) {
+                     int64_t window, bool group, int64_t threads) {
   using T = float;
   const Paged<T> pg(q, k_cache, v_cache, block_tables, seq_lens, out);
-  const int64_t B = pg.B, Hq = pg.Hq, D = pg.D, bs = pg.bs, Hkv = pg.Hkv, G = pg.G;
-  const int64_t row_stride = pg.row_stride, block_stride = pg.block_stride;
-  const float fscale = static_cast<float>(scale);
-  const int64_t nc = D / 8;
-
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(Hq * D), acc(Hq * D), scores, inv(Hq);
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t len = pg.lens[b], start = pg.first_key(b, window), n = len - start;
-      if (n <= 0) {
-        pg.store_zeros(b);
-        continue;
-      }
+  struct Kern {
+    const Paged<T>& pg;
+    float fscale;
+    void begin(Slot& s) const {
+      const int64_t Hq = pg.Hq, D = pg.D;
+      s.qf.resize(Hq * D);
       for (int64_t h = 0; h < Hq; ++h)
-        for (int64_t d = 0; d < D; ++d) qf[h * D + d] = pg.qp[b * pg.qs_b + h * pg.qs_h + d] * fscale;
-      scores.resize(Hq * n);
-      const int64_t first_block = start / bs, last_block = (len - 1) / bs;
-      for (int64_t j = first_block; j <= last_block; ++j) {  // scores
-        const T* blk = pg.kp + pg.block(b, j) * block_stride;
-        if (j < last_block) prefetch(pg.kp + pg.block(b, j + 1) * block_stride, block_stride * sizeof(T));
-        else prefetch(pg.vp + pg.block(b, first_block) * block_stride, block_stride * sizeof(T));
-        const int64_t t0 = std::max(start, j * bs), t1 = std::min(len, (j + 1) * bs);
-        for (int64_t c0 = t0; c0 < t1; c0 += 8) {
-          const int64_t count = std::min<int64_t>(t1 - c0, 8);
-          const T* rows = blk + (c0 - j * bs) * row_stride;
-          for (int64_t hq = 0; hq < Hq; ++hq) {
-            const float* qh = qf.data() + hq * D;
-            const T* kh = rows + (hq / G) * D;
-            __m256 sv;
-            switch (nc) {
-              case 2: sv = scores8<2>(qh, kh, row_stride, count); break;
-              case 4: sv = scores8<4>(qh, kh, row_stride, count); break;
-              case 6: sv = scores8<6>(qh, kh, row_stride, count); break;
-              case 8: sv = scores8<8>(qh, kh, row_stride, count); break;
-              case 10: sv = scores8<10>(qh, kh, row_stride, count); break;
-              case 12: sv = scores8<12>(qh, kh, row_stride, count); break;
-              case 14: sv = scores8<14>(qh, kh, row_stride, count); break;
-              case 16: sv = scores8<16>(qh, kh, row_stride, count); break;
-              default: sv = scores8<32>(qh, kh, row_stride, count); break;
-            }
-            alignas(32) float lane[8];
-            _mm256_store_ps(lane, sv);
-            std::memcpy(scores.data() + hq * n + (c0 - start), lane, count * sizeof(float));
+        for (int64_t d = 0; d < D; ++d) s.qf[h * D + d] = pg.qp[s.b * pg.qs_b + h * pg.qs_h + d] * fscale;
+    }
+    void scores(Slot& s, int64_t j, const T* blk, const T* next) const {
+      const int64_t Hq = pg.Hq, D = pg.D, G = pg.G, bs = pg.bs, row_stride = pg.row_stride;
+      const int64_t n = s.n, start = s.start;
+      if (next) prefetch(next, pg.block_stride * sizeof(T));
+      const int64_t t0 = std::max(start, j * bs), t1 = std::min(s.len, (j + 1) * bs);
+      for (int64_t c0 = t0; c0 < t1; c0 += 8) {
+        const int64_t count = std::min<int64_t>(t1 - c0, 8);
+        const T* rows = blk + (c0 - j * bs) * row_stride;
+        for (int64_t hq = 0; hq < Hq; ++hq) {
+          const float* qh = s.qf.data() + hq * D;
+          const T* kh = rows + (hq / G) * D;
+          __m256 sv;
+          switch (D / 8) {
+            case 2: sv = scores8<2>(qh, kh, row_stride, count); break;
+            case 4: sv = scores8<4>(qh, kh, row_stride, count); break;
+            case 6: sv = scores8<6>(qh, kh, row_stride, count); break;
+            case 8: sv = scores8<8>(qh, kh, row_stride, count); break;
+            case 10: sv = scores8<10>(qh, kh, row_stride, count); break;
+            case 12: sv = scores8<12>(qh, kh, row_stride, count); break;
+            case 14: sv = scores8<14>(qh, kh, row_stride, count); break;
+            case 16: sv = scores8<16>(qh, kh, row_stride, count); break;
+            default: sv = scores8<32>(qh, kh, row_stride, count); break;
           }
+          alignas(32) float lane[8];
+          _mm256_store_ps(lane, sv);
+          std::memcpy(s.scores.data() + hq * n + (c0 - start), lane, count * sizeof(float));
         }
       }
-      for (int64_t hq = 0; hq < Hq; ++hq) inv[hq] = 1.0f / exp_shifted(scores.data() + hq * n, n);
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = first_block; j <= last_block; ++j) {  // P . V
-        const T* blk = pg.vp + pg.block(b, j) * block_stride;
-        if (j < last_block) prefetch(pg.vp + pg.block(b, j + 1) * block_stride, block_stride * sizeof(T));
-        const int64_t t0 = std::max(start, j * bs), t1 = std::min(len, (j + 1) * bs);
-        const T* rows = blk + (t0 - j * bs) * row_stride;
-        for (int64_t h = 0; h < Hkv; ++h)
-          for (int64_t g0 = 0; g0 < G; g0 += 4) {
-            const int64_t gn = std::min<int64_t>(4, G - g0);
-            const float* p = scores.data() + (h * G + g0) * n + (t0 - start);
-            for (int64_t c = 0; c < D; c += 16) {
-              float* a = acc.data() + (h * G + g0) * D + c;
-              const T* v = rows + h * D + c;
-              switch (gn) {
-                case 1: pv16<1>(a, D, v, row_stride, p, n, t1 - t0); break;
-                case 2: pv16<2>(a, D, v, row_stride, p, n, t1 - t0); break;
-                case 3: pv16<3>(a, D, v, row_stride, p, n, t1 - t0); break;
-                default: pv16<4>(a, D, v, row_stride, p, n, t1 - t0); break;
-              }
+    }
+    void pv(Slot& s, int64_t j, const T* blk, const T* next) const {
+      const int64_t D = pg.D, G = pg.G, bs = pg.bs, Hkv = pg.Hkv, row_stride = pg.row_stride;
+      const int64_t n = s.n, start = s.start;
+      if (next) prefetch(next, pg.block_stride * sizeof(T));
+      const int64_t t0 = std::max(start, j * bs), t1 = std::min(s.len, (j + 1) * bs);
+      const T* rows = blk + (t0 - j * bs) * row_stride;
+      for (int64_t h = 0; h < Hkv; ++h)
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+          const int64_t gn = std::min<int64_t>(4, G - g0);
+          const float* p = s.scores.data() + (h * G + g0) * n + (t0 - start);
+          for (int64_t c = 0; c < D; c += 16) {
+            float* a = s.acc.data() + (h * G + g0) * D + c;
+            const T* v = rows + h * D + c;
+            switch (gn) {
+              case 1: pv16<1>(a, D, v, row_stride, p, n, t1 - t0); break;
+              case 2: pv16<2>(a, D, v, row_stride, p, n, t1 - t0); break;
+              case 3: pv16<3>(a, D, v, row_stride, p, n, t1 - t0); break;
+              default: pv16<4>(a, D, v, row_stride, p, n, t1 - t0); break;
             }
           }
-      }
-      pg.store(b, acc.data(), inv.data());
+        }
     }
-  });
+  };
+  visit_sequences(pg, window, group, threads, Kern{pg, static_cast<float>(scale)});
 }
 #endif
 
@@ -523,7 +636,7 @@ void decode_f32_avx2(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                        int64_t window) {
+                        int64_t window, bool share_blocks, int64_t threads) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(q.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(), "bad strides");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
@@ -537,23 +650,23 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
     case at::kFloat:
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
       if (f32_avx2_head_dim(q.size(2))) {
-        decode_f32_avx2(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window);
+        decode_f32_avx2(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window, share_blocks, threads);
         break;
       }
 #endif
-      decode<float>(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window);
+      decode<float>(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window, share_blocks, threads);
       break;
     case at::kBFloat16:
 #if defined(__AVX512BF16__)
       if (bf16_dot_head_dim(q.size(2))) {
-        decode_bf16(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window);
+        decode_bf16(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window, share_blocks, threads);
         break;
       }
 #endif
-      decode<at::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window);
+      decode<at::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window, share_blocks, threads);
       break;
     case at::kHalf:
-      decode<at::Half>(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window);
+      decode<at::Half>(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window, share_blocks, threads);
       break;
     default:
       TORCH_CHECK(false, "paged_decode: unsupported dtype ", q.scalar_type());
@@ -581,7 +694,8 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
                          const at::Tensor& table, int64_t seq_len, double scale, int64_t window);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention over KV read in place (CPU)");
+  m.def("paged_decode", &paged_decode, "paged decode attention over KV read in place (CPU); share_blocks: "
+        "sequences with leading blocks in common read them once; threads: its thread count (<= 0: torch's)");
   m.def("rms_norm", &rms_norm, "Llama RMSNorm of each row");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place");
   m.def("rotary_neox", &rotary_neox, "NeoX rotary embedding of query and key, in place");

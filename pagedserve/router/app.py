@@ -544,6 +544,9 @@ def build_app(serve_config: ServeConfig) -> Application:
         env["PAGEDSERVE_CPU_PREFILL_THREADS"] = str(cpu_threads_per_replica(cfg.num_replicas, reserved=0))
     if "PAGEDSERVE_CACHE_DIR" in os.environ:
         env["PAGEDSERVE_CACHE_DIR"] = os.environ["PAGEDSERVE_CACHE_DIR"]
+    # the CPU kernels' switches set where `pagedserve serve` runs (README, "CPU kernels") reach the
+    # engines on every node
+    env.update({k: v for k, v in os.environ.items() if k.startswith("PAGEDSERVE_CPU_")})
     engine = EngineDeployment.options(
         num_replicas=cfg.num_replicas,
         max_ongoing_requests=per_replica,

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from pagedserve.config import CacheConfig
+from pagedserve.kernels import cpu as cpu_kernels
 from pagedserve.plan import NULL_BLOCK, SampledToken, ScheduledSeq, StepOutput, StepPlan, window_start_block
 from pagedserve.sampling import (
     Sampler,
@@ -38,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 SMALL_STEP_TOKENS = 8  # CPU steps of at most this many tokens run on the calibrated thread count
 LARGE_STEP_TOKENS = 128  # CPU steps of at least this many tokens (prefill) run on prefill_threads
+# smaller CPU steps whose sequences hold at least this many KV tokens in all run their decode
+# attention on prefill_threads (see _size_threads)
+DECODE_ATTENTION_KV_TOKENS = int(os.environ.get("PAGEDSERVE_CPU_DECODE_ATTENTION_KV_TOKENS", "1024"))
 CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB: ~1,450 blocks of 16 tokens for SmolLM2-135M in fp32
 
 
@@ -223,7 +227,7 @@ class Worker:
             return StepOutput([])
         t0 = time.perf_counter()
         if self.device.type == "cpu":
-            self._size_threads(plan.num_tokens)
+            self._size_threads(plan.num_tokens, sum(s.start_pos + len(s.token_ids) for s in plan.seqs))
         tables = [self._update_state(s) for s in plan.seqs]
         meta = _metadata(plan.seqs, tables, self.block_size, self.device)
         input_ids = torch.tensor(
@@ -241,7 +245,7 @@ class Worker:
         output.timings = [t1 - t0, t2 - t1, time.perf_counter() - t2]
         return output
 
-    def _size_threads(self, num_tokens: int) -> None:
+    def _size_threads(self, num_tokens: int, kv_tokens: int = 0) -> None:
         """The calibrated thread count for a step of few tokens, all threads for larger ones (CPU).
 
         On the machine without AMX (SmolLM2 bf16 decode, one thread against two, before the fused
@@ -263,6 +267,14 @@ class Worker:
             threads = self.max_threads
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
+        # The decode attention of a step that reads much KV runs on prefill_threads too, whatever
+        # the step's linears run on: it is bound by memory, one core pulls ~5 GB/s of blocks at
+        # random places in the pool, and a layer's region is long (>= 0.3 ms at 1024 KV tokens).
+        # Zen 3, SmolLM2 fp32, 16 sequences over 30 layers, one thread against two: 11.3 / 7.4 ms
+        # at 64 tokens each, 48.3 / 31.6 ms at 300 (benchmarks/cpu_step.py, "decode attention").
+        wide = kv_tokens >= DECODE_ATTENTION_KV_TOKENS and self.tp_size == 1
+        wide = wide and self.prefill_threads > threads
+        cpu_kernels.set_decode_threads(self.prefill_threads if wide else 0)
 
     def _update_state(self, s: ScheduledSeq) -> list[int]:
         state = self.states.get(s.req_id)

@@ -41,6 +41,34 @@ def test_decode_only_steps_and_sliding_windows(dtype, window) -> None:
     assert max_error(out, ref) < TOLERANCE[dtype]
 
 
+# decodes sharing leading blocks: a prefix held by seven sequences (a chain of forks, one whose whole
+# table is shared, equal and shorter lengths), another pair, one with no key, ones alone
+SHARED = [(530, 1), (530, 1), (700, 1), (257, 1), (40, 1), (513, 1), (0, 1), (600, 1), (16, 1), (1, 1), (800, 1)]
+SHARED_FORKS = {1: 0, 2: 0, 3: 2, 5: 4, 7: 1, 8: 0, 10: 7}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_sequences_sharing_blocks_read_once_give_the_same_attention(monkeypatch, dtype, threads) -> None:
+    """Shared leading blocks are visited once for all their sequences (block-major, split over
+    the threads asked for): the result is the per-sequence one bit for bit, and the oracle's."""
+    batch = make_batch(SHARED, num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype,
+                       share=SHARED_FORKS)  # fmt: skip
+    tables = batch.block_tables
+    assert torch.equal(tables[10, :33], tables[0, :33]) and torch.equal(tables[5, :2], tables[4, :2])
+    outs = {}
+    try:
+        cpu.set_decode_threads(threads)
+        for share in (True, False):
+            monkeypatch.setattr(cpu, "SHARE_BLOCKS", share)
+            outs[share] = cpu.paged_attention(*batch.args(), scale=0.125, max_query_len=1)
+    finally:
+        cpu.set_decode_threads(0)
+    assert torch.equal(outs[True], outs[False]), "the visiting order changes no result"
+    assert max_error(outs[True], contiguous_attention(batch, scale=0.125)) < TOLERANCE[dtype]
+    assert torch.equal(outs[True][6], torch.zeros_like(outs[True][6]))
+
+
 def test_table_padding_past_the_last_block_is_never_read() -> None:
     batch = make_batch([(20, 1), (3, 1)], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16)
     tables = batch.block_tables.clone()

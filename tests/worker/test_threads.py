@@ -1,5 +1,6 @@
 """The worker's thread count for CPU steps of few tokens: calibrated at start (one thread or all,
-whichever decoded faster), then applied to every such step; larger steps take all threads."""
+whichever decoded faster), then applied to every such step; larger steps take all threads, and so
+does the decode attention of a step over much KV."""
 
 from __future__ import annotations
 
@@ -8,9 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagedserve.kernels import cpu as cpu_kernels
 from pagedserve.plan import ScheduledSeq, StepPlan
 from pagedserve.worker import worker as worker_module
-from pagedserve.worker.worker import LARGE_STEP_TOKENS, SMALL_STEP_TOKENS, Worker
+from pagedserve.worker.worker import (
+    DECODE_ATTENTION_KV_TOKENS,
+    LARGE_STEP_TOKENS,
+    SMALL_STEP_TOKENS,
+    Worker,
+)
 
 
 @pytest.fixture
@@ -82,3 +89,45 @@ def test_prefill_steps_take_the_reserved_cores_too(tiny_engine_model: Path, monk
         assert seen == {SMALL_STEP_TOKENS + 1: 1, LARGE_STEP_TOKENS: 2}
     finally:
         torch.set_num_threads(before)
+
+
+def _prefill_then_decode(w: Worker, batch: int, length: int) -> list[int]:
+    """Prefill `batch` prompts of `length` tokens (17 blocks of 8 each), then one decode step of
+    all of them; its greedy tokens."""
+    params = {"temperature": 0.0, "max_tokens": 4}
+    w.states.clear()
+    seqs = []
+    for b in range(batch):
+        prompt = [5 + (7 * b + i) % 300 for i in range(length)]
+        new = {"params": params, "prompt_token_ids": prompt}
+        seqs.append(ScheduledSeq(f"s{b}", prompt, 0, 0, [list(range(b * 17, b * 17 + 17))], True, new=new))
+    out = w.execute(StepPlan(seqs))
+    step = [ScheduledSeq(f"s{b}", [t.token_id], length, 17, [[]], True) for b, t in enumerate(out.sampled)]
+    return [t.token_id for t in w.execute(StepPlan(step)).sampled]
+
+
+def test_decode_attention_over_much_kv_runs_on_prefill_threads(tiny_engine_model: Path, monkeypatch) -> None:
+    """Served (one torch thread, two for prefill), a decode step whose sequences hold
+    DECODE_ATTENTION_KV_TOKENS or more runs its attention kernel on the prefill threads, the rest
+    of the step on one; a step over less KV keeps one for all. The greedy tokens do not change."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setenv("PAGEDSERVE_CPU_PREFILL_THREADS", "2")
+    asked = []
+    real = cpu_kernels.set_decode_threads
+    monkeypatch.setattr(cpu_kernels, "set_decode_threads", lambda n: asked.append(n) or real(n))
+    try:
+        w = Worker(str(tiny_engine_model), dtype="float32")
+        w.init_kv_pool(num_blocks=160, block_size=8)
+        assert 8 * 41 < DECODE_ATTENTION_KV_TOKENS <= 8 * 131
+        _prefill_then_decode(w, 8, 40)
+        assert asked[-1] == 0 and torch.get_num_threads() == 1
+        wide = _prefill_then_decode(w, 8, 130)
+        assert asked[-2:] == [0, 2], "the prefill runs on 2 threads all through; the decode, its attention"
+        assert torch.get_num_threads() == 1
+        monkeypatch.setattr(worker_module, "DECODE_ATTENTION_KV_TOKENS", 10**9)
+        assert _prefill_then_decode(w, 8, 130) == wide, "the same tokens with the attention on one thread"
+        assert asked[-1] == 0
+    finally:
+        torch.set_num_threads(before)
+        cpu_kernels.set_decode_threads(0)
