@@ -525,6 +525,25 @@ def cpu_threads_per_replica(num_replicas: int, cpus: int | None = None, reserved
     return max(1, (cpus - reserved) // max(1, num_replicas))
 
 
+def engine_env(cfg: ServeConfig, threads: int) -> dict[str, str]:
+    """The environment of the engine replicas' processes (`threads`: their torch threads).
+
+    Without GPUs each replica's torch gets its share of this machine's cores (one node), less
+    the cores reserved for the HTTP proxy, the ingress and Ray's own processes (vLLM's CPU
+    backend reserves one for its API server likewise); OMP_WAIT_POLICY=PASSIVE keeps idle
+    OpenMP threads from spinning on a shared core. The CPU kernels' switches (PAGEDSERVE_CPU_*,
+    listed in the README's performance section) set where `pagedserve serve` runs reach the
+    engines on every node, and win over the defaults here.
+    """
+    env = {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    if not cfg.engine.parallel.uses_ray:  # prefill steps also take the reserved cores (Worker._size_threads)
+        env["PAGEDSERVE_CPU_PREFILL_THREADS"] = str(cpu_threads_per_replica(cfg.num_replicas, reserved=0))
+    if "PAGEDSERVE_CACHE_DIR" in os.environ:
+        env["PAGEDSERVE_CACHE_DIR"] = os.environ["PAGEDSERVE_CACHE_DIR"]
+    env.update({k: v for k, v in os.environ.items() if k.startswith("PAGEDSERVE_CPU_")})
+    return env
+
+
 def build_app(serve_config: ServeConfig) -> Application:
     """The Serve application for ``serve_config``: ingress + ``num_replicas`` engine replicas."""
     from pagedserve.router.prefix_router import router_class_for
@@ -534,19 +553,8 @@ def build_app(serve_config: ServeConfig) -> Application:
     router_options: dict[str, Any] = {"request_routing_stats_period_s": ROUTING_STATS_PERIOD_S}
     router_options["request_router_class"] = router_class_for(cfg.routing)
     parallel = cfg.engine.parallel
-    # Without GPUs each replica's torch gets its share of this machine's cores (one node), less
-    # the cores reserved for the HTTP proxy, the ingress and Ray's own processes (vLLM's CPU
-    # backend reserves one for its API server likewise); OMP_WAIT_POLICY=PASSIVE keeps idle
-    # OpenMP threads from spinning on a shared core.
     threads = 1 if parallel.uses_ray else cpu_threads_per_replica(cfg.num_replicas)
-    env = {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-    if not parallel.uses_ray:  # prefill steps also take the reserved cores (Worker._size_threads)
-        env["PAGEDSERVE_CPU_PREFILL_THREADS"] = str(cpu_threads_per_replica(cfg.num_replicas, reserved=0))
-    if "PAGEDSERVE_CACHE_DIR" in os.environ:
-        env["PAGEDSERVE_CACHE_DIR"] = os.environ["PAGEDSERVE_CACHE_DIR"]
-    # the CPU kernels' switches set where `pagedserve serve` runs (README, "CPU kernels") reach the
-    # engines on every node
-    env.update({k: v for k, v in os.environ.items() if k.startswith("PAGEDSERVE_CPU_")})
+    env = engine_env(cfg, threads)
     engine = EngineDeployment.options(
         num_replicas=cfg.num_replicas,
         max_ongoing_requests=per_replica,

@@ -40,8 +40,8 @@ logger = logging.getLogger(__name__)
 SMALL_STEP_TOKENS = 8  # CPU steps of at most this many tokens run on the calibrated thread count
 LARGE_STEP_TOKENS = 128  # CPU steps of at least this many tokens (prefill) run on prefill_threads
 # smaller CPU steps whose sequences hold at least this many KV tokens in all run their decode
-# attention on prefill_threads (see _size_threads)
-DECODE_ATTENTION_KV_TOKENS = int(os.environ.get("PAGEDSERVE_CPU_DECODE_ATTENTION_KV_TOKENS", "1024"))
+# attention on prefill_threads (see _size_threads); 0, the default: never
+DECODE_ATTENTION_KV_TOKENS = int(os.environ.get("PAGEDSERVE_CPU_DECODE_ATTENTION_KV_TOKENS", "0"))
 CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB: ~1,450 blocks of 16 tokens for SmolLM2-135M in fp32
 
 
@@ -267,12 +267,15 @@ class Worker:
             threads = self.max_threads
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
-        # The decode attention of a step that reads much KV runs on prefill_threads too, whatever
-        # the step's linears run on: it is bound by memory, one core pulls ~5 GB/s of blocks at
-        # random places in the pool, and a layer's region is long (>= 0.3 ms at 1024 KV tokens).
-        # Zen 3, SmolLM2 fp32, 16 sequences over 30 layers, one thread against two: 11.3 / 7.4 ms
-        # at 64 tokens each, 48.3 / 31.6 ms at 300 (benchmarks/cpu_step.py, "decode attention").
-        wide = kv_tokens >= DECODE_ATTENTION_KV_TOKENS and self.tp_size == 1
+        # With PAGEDSERVE_CPU_DECODE_ATTENTION_KV_TOKENS=N, the decode attention of a step over
+        # N or more KV tokens runs on prefill_threads too, whatever the step's linears run on: it
+        # is bound by memory (one Zen 3 core pulls ~5 GB/s of blocks at random places in the
+        # pool) and a layer's region is long (>= 0.3 ms at 1024 KV tokens). In process (SmolLM2
+        # fp32, 16 sequences, 30 layers, one thread against two) 48.3 / 31.6 ms at 300 tokens
+        # each (benchmarks/cpu_step.py); served on 2 cores it was not a clear win (the core is
+        # the HTTP stack's too: W3 53.6 / 52.0 tok/s in one pair of runs, 43.9 / 51.4 in another),
+        # so it is off by default.
+        wide = 0 < DECODE_ATTENTION_KV_TOKENS <= kv_tokens and self.tp_size == 1
         wide = wide and self.prefill_threads > threads
         cpu_kernels.set_decode_threads(self.prefill_threads if wide else 0)
 

@@ -43,7 +43,8 @@ def test_decode_only_steps_and_sliding_windows(dtype, window) -> None:
 
 # decodes sharing leading blocks: a prefix held by seven sequences (a chain of forks, one whose whole
 # table is shared, equal and shorter lengths), another pair, one with no key, ones alone
-SHARED = [(530, 1), (530, 1), (700, 1), (257, 1), (40, 1), (513, 1), (0, 1), (600, 1), (16, 1), (1, 1), (800, 1)]
+SHARED = [(530, 1), (530, 1), (700, 1), (257, 1), (40, 1), (513, 1), (0, 1), (600, 1), (16, 1), (1, 1),
+          (800, 1)]  # fmt: skip
 SHARED_FORKS = {1: 0, 2: 0, 3: 2, 5: 4, 7: 1, 8: 0, 10: 7}
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from ray.serve import Application
 
@@ -11,6 +13,7 @@ from pagedserve.router.app import (
     build_app,
     compact_kv_events,
     cpu_threads_per_replica,
+    engine_env,
     serve_config_from_flags,
     served_model_name,
 )
@@ -95,6 +98,22 @@ def test_cpu_threads_leave_the_reserved_cores_to_the_serving_stack(monkeypatch) 
     assert cpu_threads_per_replica(1, cpus=2, reserved=0) == 2  # prefill steps' count
     monkeypatch.setenv("PAGEDSERVE_CPU_RESERVED_CORES", "0")
     assert cpu_threads_per_replica(1, cpus=2) == 2
+
+
+def test_engine_env_carries_the_cpu_switches_from_the_serving_shell(monkeypatch) -> None:
+    monkeypatch.delenv("PAGEDSERVE_CACHE_DIR", raising=False)
+    for key in [k for k in os.environ if k.startswith("PAGEDSERVE_CPU_")]:
+        monkeypatch.delenv(key)
+    cfg = ServeConfig()
+    env = engine_env(cfg, 1)
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["OMP_NUM_THREADS"] == "1"
+    assert env["PAGEDSERVE_CPU_PREFILL_THREADS"] == str(cpu_threads_per_replica(1, reserved=0))
+    monkeypatch.setenv("PAGEDSERVE_CPU_SHARE_BLOCKS", "0")
+    monkeypatch.setenv("PAGEDSERVE_CPU_PREFILL_THREADS", "3")
+    monkeypatch.setenv("PAGEDSERVE_OTHER", "x")
+    env = engine_env(cfg, 1)
+    assert env["PAGEDSERVE_CPU_SHARE_BLOCKS"] == "0" and env["PAGEDSERVE_CPU_PREFILL_THREADS"] == "3"
+    assert "PAGEDSERVE_OTHER" not in env
 
 
 def test_served_model_name() -> None:

@@ -107,9 +107,10 @@ def _prefill_then_decode(w: Worker, batch: int, length: int) -> list[int]:
 
 
 def test_decode_attention_over_much_kv_runs_on_prefill_threads(tiny_engine_model: Path, monkeypatch) -> None:
-    """Served (one torch thread, two for prefill), a decode step whose sequences hold
-    DECODE_ATTENTION_KV_TOKENS or more runs its attention kernel on the prefill threads, the rest
-    of the step on one; a step over less KV keeps one for all. The greedy tokens do not change."""
+    """Served (one torch thread, two for prefill) with PAGEDSERVE_CPU_DECODE_ATTENTION_KV_TOKENS
+    set, a decode step whose sequences hold that many KV tokens or more runs its attention kernel
+    on the prefill threads, the rest of the step on one; a step over less KV, or with the switch
+    unset (0), keeps one for all. The greedy tokens do not change."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     monkeypatch.setenv("PAGEDSERVE_CPU_PREFILL_THREADS", "2")
@@ -119,13 +120,14 @@ def test_decode_attention_over_much_kv_runs_on_prefill_threads(tiny_engine_model
     try:
         w = Worker(str(tiny_engine_model), dtype="float32")
         w.init_kv_pool(num_blocks=160, block_size=8)
-        assert 8 * 41 < DECODE_ATTENTION_KV_TOKENS <= 8 * 131
+        assert DECODE_ATTENTION_KV_TOKENS == 0, "off by default"
+        monkeypatch.setattr(worker_module, "DECODE_ATTENTION_KV_TOKENS", 1024)  # 8 x 41 < 1024 <= 8 x 131
         _prefill_then_decode(w, 8, 40)
         assert asked[-1] == 0 and torch.get_num_threads() == 1
         wide = _prefill_then_decode(w, 8, 130)
         assert asked[-2:] == [0, 2], "the prefill runs on 2 threads all through; the decode, its attention"
         assert torch.get_num_threads() == 1
-        monkeypatch.setattr(worker_module, "DECODE_ATTENTION_KV_TOKENS", 10**9)
+        monkeypatch.setattr(worker_module, "DECODE_ATTENTION_KV_TOKENS", 0)
         assert _prefill_then_decode(w, 8, 130) == wide, "the same tokens with the attention on one thread"
         assert asked[-1] == 0
     finally:
