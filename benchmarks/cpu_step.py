@@ -95,6 +95,7 @@ def time_attention(w: Worker, context: int, prefix: int, threads: int, share: bo
     k0 = pools[0][0]
     heads = w.hf_config.num_attention_heads
     q = torch.randn(batch, heads, k0.shape[-1], generator=gen).to(k0.dtype)
+    before = cpu_kernels.SHARE_BLOCKS
     cpu_kernels.SHARE_BLOCKS = share
     cpu_kernels.set_decode_threads(threads)
     times = []
@@ -103,7 +104,7 @@ def time_attention(w: Worker, context: int, prefix: int, threads: int, share: bo
         for k, v in pools:
             cpu_kernels.paged_decode(q, k, v, tables, lens, 0.125)
         times.append(time.perf_counter() - t0)
-    cpu_kernels.SHARE_BLOCKS = True
+    cpu_kernels.SHARE_BLOCKS = before
     cpu_kernels.set_decode_threads(0)
     return statistics.median(times[2:])
 

@@ -166,6 +166,15 @@ struct Paged {
     return std::min<int64_t>(std::max<int32_t>(tables[b * max_blocks + j], 0), num_blocks - 1);
   }
 
+  // Sequence b's query rows in fp32, times scale, into qf [Hq, D].
+  void scaled_query(int64_t b, float scale, std::vector<float>& qf) const {
+    qf.resize(Hq * D);
+    for (int64_t h = 0; h < Hq; ++h) {
+      to_float(qp + b * qs_b + h * qs_h, qf.data() + h * D, D);
+      for (int64_t d = 0; d < D; ++d) qf[h * D + d] *= scale;
+    }
+  }
+
   // Sequence b's output rows: acc [Hq, D], each head's row times inv[head].
   void store(int64_t b, const float* acc, const float* inv) const {
     for (int64_t hq = 0; hq < Hq; ++hq)
@@ -179,6 +188,10 @@ struct Paged {
 struct Slot {
   int64_t b = 0, start = 0, len = 0, n = 0, first = 0, last = 0;
   std::vector<float> qf, scores, acc, inv, row;
+  // the visible keys [t0, t1) of table entry j, with blocks of bs tokens
+  std::pair<int64_t, int64_t> keys(int64_t j, int64_t bs) const {
+    return {std::max(start, j * bs), std::min(len, (j + 1) * bs)};
+  }
 };
 
 constexpr int64_t kMaxGroup = 64;  // sequences visited together over their shared blocks
@@ -323,18 +336,13 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     const Paged<T>& pg;
     float fscale;
     void begin(Slot& s) const {
-      const int64_t Hq = pg.Hq, D = pg.D;
-      s.qf.resize(Hq * D);
-      s.row.resize(pg.Hkv * D);
-      for (int64_t h = 0; h < Hq; ++h) {
-        to_float(pg.qp + s.b * pg.qs_b + h * pg.qs_h, s.qf.data() + h * D, D);
-        for (int64_t d = 0; d < D; ++d) s.qf[h * D + d] *= fscale;
-      }
+      pg.scaled_query(s.b, fscale, s.qf);
+      s.row.resize(pg.Hkv * pg.D);
     }
     void scores(Slot& s, int64_t j, const T* blk, const T* next) const {
       const int64_t Hq = pg.Hq, D = pg.D, G = pg.G, bs = pg.bs, n = s.n, start = s.start;
       if (next) prefetch(next, pg.block_stride * sizeof(T));
-      const int64_t t0 = std::max(start, j * bs), t1 = std::min(s.len, (j + 1) * bs);
+      const auto [t0, t1] = s.keys(j, bs);
 #if defined(__AVX512F__)
       if constexpr (kVectorized<T>) {
         if (D % 16 == 0 && D <= 256) {
@@ -360,7 +368,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     void pv(Slot& s, int64_t j, const T* blk, const T* next) const {
       const int64_t Hq = pg.Hq, D = pg.D, G = pg.G, bs = pg.bs, n = s.n, start = s.start;
       if (next) prefetch(next, pg.block_stride * sizeof(T));
-      const int64_t t0 = std::max(start, j * bs), t1 = std::min(s.len, (j + 1) * bs);
+      const auto [t0, t1] = s.keys(j, bs);
       for (int64_t t = t0; t < t1; ++t) {
         to_float(blk + (t - j * bs) * pg.row_stride, s.row.data(), pg.Hkv * D);
         for (int64_t hq = 0; hq < Hq; ++hq) {
@@ -461,7 +469,7 @@ void decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
     void scores(Slot& s, int64_t j, const T* blk, const T* next) const {
       const T* qb = qp + s.b * qs_b;
       const int64_t n = s.n, start = s.start;
-      const int64_t t0 = std::max(start, j * bs), t1 = std::min(s.len, (j + 1) * bs);
+      const auto [t0, t1] = s.keys(j, bs);
       for (int64_t c0 = t0; c0 < t1; c0 += 16) {
         const int64_t count = std::min<int64_t>(t1 - c0, 16);
         const __mmask16 mask = count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
@@ -484,7 +492,7 @@ void decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
     }
     void pv(Slot& s, int64_t j, const T* blk, const T* next) const {
       const int64_t n = s.n, start = s.start;
-      const int64_t t0 = std::max(start, j * bs), t1 = std::min(s.len, (j + 1) * bs);
+      const auto [t0, t1] = s.keys(j, bs);
       const T* rows = blk + (t0 - j * bs) * row_stride;
       for (int64_t h = 0; h < Hkv; ++h) {
         if (next) prefetch_part(next, h, Hkv);
@@ -570,17 +578,12 @@ void decode_f32_avx2(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   struct Kern {
     const Paged<T>& pg;
     float fscale;
-    void begin(Slot& s) const {
-      const int64_t Hq = pg.Hq, D = pg.D;
-      s.qf.resize(Hq * D);
-      for (int64_t h = 0; h < Hq; ++h)
-        for (int64_t d = 0; d < D; ++d) s.qf[h * D + d] = pg.qp[s.b * pg.qs_b + h * pg.qs_h + d] * fscale;
-    }
+    void begin(Slot& s) const { pg.scaled_query(s.b, fscale, s.qf); }
     void scores(Slot& s, int64_t j, const T* blk, const T* next) const {
       const int64_t Hq = pg.Hq, D = pg.D, G = pg.G, bs = pg.bs, row_stride = pg.row_stride;
       const int64_t n = s.n, start = s.start;
       if (next) prefetch(next, pg.block_stride * sizeof(T));
-      const int64_t t0 = std::max(start, j * bs), t1 = std::min(s.len, (j + 1) * bs);
+      const auto [t0, t1] = s.keys(j, bs);
       for (int64_t c0 = t0; c0 < t1; c0 += 8) {
         const int64_t count = std::min<int64_t>(t1 - c0, 8);
         const T* rows = blk + (c0 - j * bs) * row_stride;
@@ -609,7 +612,7 @@ void decode_f32_avx2(const at::Tensor& q, const at::Tensor& k_cache, const at::T
       const int64_t D = pg.D, G = pg.G, bs = pg.bs, Hkv = pg.Hkv, row_stride = pg.row_stride;
       const int64_t n = s.n, start = s.start;
       if (next) prefetch(next, pg.block_stride * sizeof(T));
-      const int64_t t0 = std::max(start, j * bs), t1 = std::min(s.len, (j + 1) * bs);
+      const auto [t0, t1] = s.keys(j, bs);
       const T* rows = blk + (t0 - j * bs) * row_stride;
       for (int64_t h = 0; h < Hkv; ++h)
         for (int64_t g0 = 0; g0 < G; g0 += 4) {

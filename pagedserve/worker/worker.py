@@ -227,7 +227,7 @@ class Worker:
             return StepOutput([])
         t0 = time.perf_counter()
         if self.device.type == "cpu":
-            self._size_threads(plan.num_tokens, sum(s.start_pos + len(s.token_ids) for s in plan.seqs))
+            self._size_threads(plan.num_tokens, plan.seqs)
         tables = [self._update_state(s) for s in plan.seqs]
         meta = _metadata(plan.seqs, tables, self.block_size, self.device)
         input_ids = torch.tensor(
@@ -245,7 +245,7 @@ class Worker:
         output.timings = [t1 - t0, t2 - t1, time.perf_counter() - t2]
         return output
 
-    def _size_threads(self, num_tokens: int, kv_tokens: int = 0) -> None:
+    def _size_threads(self, num_tokens: int, seqs: list[ScheduledSeq]) -> None:
         """The calibrated thread count for a step of few tokens, all threads for larger ones (CPU).
 
         On the machine without AMX (SmolLM2 bf16 decode, one thread against two, before the fused
@@ -275,8 +275,8 @@ class Worker:
         # each (benchmarks/cpu_step.py); served on 2 cores it was not a clear win (the core is
         # the HTTP stack's too: W3 53.6 / 52.0 tok/s in one pair of runs, 43.9 / 51.4 in another),
         # so it is off by default.
-        wide = 0 < DECODE_ATTENTION_KV_TOKENS <= kv_tokens and self.tp_size == 1
-        wide = wide and self.prefill_threads > threads
+        wide = DECODE_ATTENTION_KV_TOKENS > 0 and self.tp_size == 1 and self.prefill_threads > threads
+        wide = wide and sum(s.start_pos + len(s.token_ids) for s in seqs) >= DECODE_ATTENTION_KV_TOKENS
         cpu_kernels.set_decode_threads(self.prefill_threads if wide else 0)
 
     def _update_state(self, s: ScheduledSeq) -> list[int]:
