@@ -7,6 +7,8 @@ through ``Worker.execute`` (metadata, model, LM head, sampling: what a served st
 - ``fused``: the C++ fused RMSNorm / rotary / SiLU-and-mul / KV write (the default), against
   ``unfused`` (layers.py's torch code, PAGEDSERVE_CPU_FUSED=0);
 - ``threads``: how many torch threads a step of each kind runs on (1 or 2);
+- ``dense panels``: the linear layers' weights in cpu_gemm.cpp's dense fp32 panels, not the GGUF
+  Q4_1 / Q8_0 blocks the default keeps them in (fp32 on AVX2: cpu.gguf_blocks);
 - ``oneDNN linears``: every linear layer on oneDNN's prepacked weights, none on the kernels of
   cpu_gemm.cpp (where the dtype has one on this CPU: fp32 on AVX2, bf16 on AVX512-BF16 without AMX).
 
@@ -117,11 +119,15 @@ def main() -> None:
     args = ap.parse_args()
     w = Worker(str(resolve_model(None)), dtype=args.dtype)
     w.init_kv_pool(num_blocks=1024, block_size=BLOCK)
-    layers.prepack_linear_weights(w.model, onednn_always=True)  # for the oneDNN linears variant
+    linears = [m for m in w.model.modules() if hasattr(m, "gemm_weight")]
+    default_gemm = {m: m.gemm_weight for m in linears}  # GGUF blocks where the weights are
+    layers.prepack_linear_weights(w.model, onednn_always=True)  # dense panels and oneDNN's layout
+    kernels = {"default": default_gemm, "dense panels": {m: m.gemm_weight for m in linears},
+               "oneDNN linears": {m: None for m in linears}}  # fmt: skip
     cores = os.cpu_count() or 1
     variants = {"fused": ("1", None), "unfused": ("0", None), "fused 1 thread": ("1", 1),
-                f"fused {cores} threads": ("1", cores), "oneDNN linears": ("1", None)}  # fmt: skip
-    gemm_rows = dict(layers.GEMM_MAX_ROWS)
+                f"fused {cores} threads": ("1", cores), "dense panels": ("1", None),
+                "oneDNN linears": ("1", None)}  # fmt: skip
     workloads = {"decode b1": lambda: time_decode(w, 1, 300, args.steps),
                  "decode b16": lambda: time_decode(w, 16, 300, args.steps),
                  "prefill 256": lambda: time_prefill(w, 256, 4)}  # fmt: skip
@@ -132,11 +138,13 @@ def main() -> None:
             # threads None: the worker's own policy (its calibrated count for steps of <= 8 tokens)
             worker_module.SMALL_STEP_TOKENS = 8 if threads is None else 0
             w.max_threads = threads or cores
-            layers.GEMM_MAX_ROWS.update({d: 0 for d in gemm_rows} if name == "oneDNN linears" else gemm_rows)
+            for m, g in kernels.get(name, default_gemm).items():
+                m.gemm_weight = g
             for wl, fn in workloads.items():
                 results[wl][name].append(fn())
     os.environ.pop("PAGEDSERVE_CPU_FUSED", None)
-    layers.GEMM_MAX_ROWS.update(gemm_rows)
+    for m, g in default_gemm.items():
+        m.gemm_weight = g
     print(f"dtype {w.dtype}, {cores} cores, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}, "
           f"torch {torch.__version__}")  # fmt: skip
     print(f"{'workload':<12} " + " ".join(f"{v:>20}" for v in variants))

@@ -691,6 +691,8 @@ bool gemm_bf16_available();
 at::Tensor pack_linear(const at::Tensor& weight);
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                          int64_t N);
+at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                         const c10::optional<at::Tensor>& bias, int64_t N, bool q8);
 // cpu_prefill.cpp
 bool prefill_bf16_available();
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -710,4 +712,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_bf16_available", &gemm_bf16_available, "whether the AVX512-BF16 bf16 linear kernel was built");
   m.def("pack_linear", &pack_linear, "a weight [N, K] packed into panels (fp32: 16 features, bf16: 32 x 2 k)");
   m.def("linear_packed", &linear_packed, "x W^T + b with W packed by pack_linear (fp32 AVX2, bf16 AVX512-BF16)");
+  m.def("linear_blocks", &linear_blocks, "x W^T + b with W in GGUF Q4_1 / Q8_0 blocks of 16-feature panels (fp32 AVX2)");
 }

@@ -84,9 +84,14 @@ GEMM_MAX_ROWS = {torch.float32: math.inf, torch.bfloat16: 32}
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: Tensor | None = None,
-           gemm: Tensor | None = None) -> Tensor:  # fmt: skip
-    """x W^T + b: through cpu_gemm.cpp's packed weight (`gemm`) for up to GEMM_MAX_ROWS rows, else
-    the weight prepacked for oneDNN (`packed`) when there is one (CPU), else torch's linear."""
+           gemm: Tensor | tuple[Tensor, Tensor, bool] | None = None) -> Tensor:  # fmt: skip
+    """x W^T + b: through cpu_gemm.cpp's packed weight (`gemm`: dense panels for up to
+    GEMM_MAX_ROWS rows, or GGUF blocks for any row count), else the weight prepacked for oneDNN
+    (`packed`) when there is one (CPU), else torch's linear."""
+    if isinstance(gemm, tuple):
+        from pagedserve.kernels import cpu
+
+        return cpu.extension().linear_blocks(x, gemm[0], gemm[1], bias, weight.shape[0], gemm[2])
     if gemm is not None and x.numel() <= GEMM_MAX_ROWS[gemm.dtype] * x.shape[-1]:
         from pagedserve.kernels import cpu
 
@@ -96,7 +101,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: Tensor | None
     return F.linear(x, weight, bias)
 
 
-def prepack_linear_weights(model: nn.Module, onednn_always: bool = False) -> int:
+def prepack_linear_weights(model: nn.Module, onednn_always: bool = False,
+                           gguf_blocks: bool | None = None) -> int:  # fmt: skip
     """Reorder every linear layer's weight once into oneDNN's blocked layout (CPU only), and where
     cpu.gemm_enabled says also into the panels of cpu_gemm.cpp's kernels (fp32 on CPUs without
     AVX-512, for steps of any size; bf16 on CPUs with AVX512-BF16 but no AMX, for steps of few rows).
@@ -109,8 +115,12 @@ def prepack_linear_weights(model: nn.Module, onednn_always: bool = False) -> int
     they run (GEMM_MAX_ROWS gives the figures and the rows up to which they run). The plain
     weights stay (a tied LM head shares the embedding's; the loader's tests read them). Where the
     kernels take every row count (fp32 on AVX2) there is no oneDNN copy, which would never run and
-    would double the weights' memory, unless `onednn_always` (bench-step's comparison). Returns
-    the number of layers prepacked.
+    would double the weights' memory, unless `onednn_always` (bench-step's comparison).
+
+    A weight whose every value is an exact GGUF Q4_1 or Q8_0 block value (cpu.gguf_blocks: the
+    default model, converted from its GGUF file) is kept in those blocks instead, where the fp32
+    kernels run (`gguf_blocks`, default cpu.GGUF_BLOCKS): the same weights in 5-6x fewer bytes,
+    every row count through cpu_gemm.cpp's linear_blocks. Returns the number of layers prepacked.
     """
     if not torch.backends.mkldnn.is_available():
         return 0
@@ -125,6 +135,13 @@ def prepack_linear_weights(model: nn.Module, onednn_always: bool = False) -> int
             if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
                 continue
             gemm = cpu.gemm_enabled(weight.dtype)
+            if gguf_blocks is None:
+                gguf_blocks = cpu.GGUF_BLOCKS
+            blocks = cpu.gguf_blocks(weight) if gemm and gguf_blocks and not onednn_always else None
+            if blocks is not None:  # exact GGUF block values: kept in their blocks, all row counts
+                module.gemm_weight = blocks
+                count += 1
+                continue
             if gemm:
                 module.gemm_weight = cpu.extension().pack_linear(weight.detach())
             if onednn_always or not gemm or GEMM_MAX_ROWS[weight.dtype] < math.inf:
@@ -150,7 +167,7 @@ class ColumnParallelLinear(nn.Module):
         self.output_size_per_partition = _divide(output_size, tp_size, "output features")
         self.weight = _parameter(self.output_size_per_partition, input_size, loader=self.weight_loader)
         self.packed_weight: Tensor | None = None  # see prepack_linear_weights
-        self.gemm_weight: Tensor | None = None
+        self.gemm_weight: Tensor | tuple[Tensor, Tensor, bool] | None = None  # see prepack_linear_weights
         self.bias = _parameter(self.output_size_per_partition, loader=self.weight_loader) if bias else None
 
     def weight_loader(self, param: Tensor, loaded: Any) -> None:
@@ -228,7 +245,7 @@ class RowParallelLinear(nn.Module):
         self.input_size_per_partition = _divide(input_size, tp_size, "input features")
         self.weight = _parameter(output_size, self.input_size_per_partition, loader=self.weight_loader)
         self.packed_weight: Tensor | None = None  # see prepack_linear_weights
-        self.gemm_weight: Tensor | None = None
+        self.gemm_weight: Tensor | tuple[Tensor, Tensor, bool] | None = None  # see prepack_linear_weights
         self.bias = _parameter(output_size) if bias else None
 
     def weight_loader(self, param: Tensor, loaded: Any) -> None:
@@ -278,7 +295,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     (so tied embeddings share one weight). forward gathers the full [N, vocab] logits on every rank."""
 
     packed_weight: Tensor | None = None  # see prepack_linear_weights
-    gemm_weight: Tensor | None = None
+    gemm_weight: Tensor | tuple[Tensor, Tensor, bool] | None = None
 
     def forward(self, hidden: Tensor) -> Tensor:
         logits = linear(hidden, self.weight, None, self.packed_weight, self.gemm_weight)

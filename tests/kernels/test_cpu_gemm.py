@@ -140,6 +140,80 @@ def test_layers_take_the_kernel_up_to_its_row_limit_and_match_product(monkeypatc
     assert calls == [m for m in sizes if m <= most]
 
 
+def _gguf_weight(n: int, k: int, kind: str, seed: int = 0) -> torch.Tensor:
+    """A weight [n, k] quantized and dequantized by gguf-py (the oracle for the values: what a
+    dequantized GGUF file holds), from normal values with some rows of one constant (span 0)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    rng = np.random.default_rng(seed)
+    dense = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+    dense[::7] = 0.25  # constant blocks: Q4_1 d = 0, Q8_0 q = 127 everywhere
+    kind_ = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}[kind]
+    return torch.from_numpy(quants.dequantize(quants.quantize(dense, kind_), kind_).copy())
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize(("n", "k"), [(40, 64), (100, 96), (960, 576), (7, 1536)])
+def test_gguf_blocks_keep_the_exact_weights_and_their_linear_equals_the_product(kind, n, k) -> None:
+    w = _gguf_weight(n, k, kind)
+    blocks = cpu.gguf_blocks(w)
+    assert blocks is not None and blocks[2] == (kind == "q8_0")
+    q, scales, q8 = blocks
+    assert q.numel() == -(-n // 16) * 16 * k // (1 if q8 else 2)  # 4 or 8 bits a weight
+    # x = I reads the dequantized weights back: bit for bit gguf-py's values
+    assert torch.equal(ext.linear_blocks(torch.eye(k), q, scales, None, n, q8), w.t())
+    torch.manual_seed(n + k)
+    bias = torch.randn(n)
+    for rows in (0, 1, 4, 5, 16, 96, 97, 200):  # decode passes, tile sizes, prefill row blocks
+        x = torch.randn(rows, k)
+        for b in (None, bias):
+            got = ext.linear_blocks(x, q, scales, b, n, q8)
+            torch.testing.assert_close(got, _oracle(x, w, b), atol=1e-4, rtol=1e-5)
+    got = ext.linear_blocks(torch.randn(2, 3, k), q, scales, None, n, q8)
+    assert got.shape == (2, 3, n)
+    # a row's result does not depend on the rows beside it (1-3 rows dequantize in registers,
+    # more through a buffer, prefill in row blocks): batch-invariant, bit for bit
+    x = torch.randn(200, k)
+    whole = ext.linear_blocks(x, q, scales, bias, n, q8)
+    for rows in (1, 2, 3, 4, 16, 97):
+        assert torch.equal(ext.linear_blocks(x[:rows], q, scales, bias, n, q8), whole[:rows])
+
+
+def test_gguf_blocks_refuse_weights_that_are_not_exact_block_values() -> None:
+    torch.manual_seed(0)
+    assert cpu.gguf_blocks(torch.randn(64, 64)) is None  # a dense checkpoint
+    assert cpu.gguf_blocks(torch.randn(64, 64).bfloat16().float()) is None  # bf16 values, not blocks
+    w = _gguf_weight(64, 64, "q4_1")
+    assert cpu.gguf_blocks(w[:, :48].contiguous()) is None  # K not a multiple of 32
+    w[50, 40] = torch.nextafter(w[50, 40], torch.tensor(1.0))  # one value off its block's grid
+    assert cpu.gguf_blocks(w) is None
+    assert cpu.gguf_blocks(w.bfloat16()) is None  # the fp32 kernels only
+    q, scales, q8 = cpu.gguf_blocks(_gguf_weight(64, 64, "q8_0"))
+    with pytest.raises(RuntimeError, match="features"):
+        ext.linear_blocks(torch.randn(2, 96), q, scales, None, 64, q8)
+    with pytest.raises(RuntimeError, match="block layout"):
+        ext.linear_blocks(torch.randn(2, 64), q, scales, None, 64, not q8)
+
+
+def test_layers_keep_gguf_weights_in_blocks_for_every_row_count(monkeypatch, gemm_on) -> None:
+    lin = layers.RowParallelLinear(576, 40, bias=True)
+    lin.weight.data.copy_(_gguf_weight(40, 576, "q4_1"))
+    lin.bias.data.copy_(torch.randn(40))
+    assert layers.prepack_linear_weights(lin) == 1
+    assert isinstance(lin.gemm_weight, tuple) and lin.packed_weight is None  # no dense copy
+    calls = []
+    real = ext.linear_blocks
+    monkeypatch.setattr(ext, "linear_blocks", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for m in (1, 16, 300):
+        x = torch.randn(m, 576)
+        torch.testing.assert_close(lin(x), _oracle(x, lin.weight, lin.bias), atol=1e-4, rtol=1e-5)
+    assert calls == [1, 16, 300]
+    # switched off: the dense panels
+    assert layers.prepack_linear_weights(lin, gguf_blocks=False) == 1
+    assert isinstance(lin.gemm_weight, torch.Tensor)
+
+
 @pytest.mark.skipif("avx512f" not in cpu._cpu_id().split() or "PAGEDSERVE_CPU_MARCH" in os.environ,
                     reason="this CPU runs the AVX2 paths in the tests themselves")  # fmt: skip
 def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu() -> None:
