@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks as one script: the tests/kernels suite on the device with compiled Triton (no
-# interpreter), benchmarks/kernels.py (device correctness, do_bench timings and a small sweep of
+# interpreter), benchmarks/paged_kernels.py (device correctness, do_bench timings and a small sweep of
 # tile configs), benchmarks/gpu_engine.py (the engine at size 1 on the device: greedy tokens equal
 # transformers' on the tiny llama/qwen3/gemma3 models with batching, prefix caching, chunked
 # prefill and both preemptions; then output tok/s against transformers' generate), then on 2+ GPUs
@@ -108,8 +108,8 @@ else
     checks=$?
 fi
 
-echo "== [${SECONDS}s] benchmarks/kernels.py on $DEVICE"
-timeout "$BENCH_TIMEOUT" "$PY" benchmarks/kernels.py --device "$DEVICE" --sweep --out "$OUT/kernels.json" 2>&1 \
+echo "== [${SECONDS}s] benchmarks/paged_kernels.py on $DEVICE"
+timeout "$BENCH_TIMEOUT" "$PY" benchmarks/paged_kernels.py --device "$DEVICE" --sweep --out "$OUT/kernels.json" 2>&1 \
     | tee "$OUT/bench.log"
 bench=${PIPESTATUS[0]}
 

@@ -8,7 +8,7 @@ decode at batch 64 x 4096 and 1 x 65536, and a 4096-token prefill. Each case pri
 KV GB/s (KV bytes read once / time), TFLOP/s (causal pairs counted once, i.e. half the square)
 and paged / contiguous time. The last line is one JSON object with every figure.
 
-    python benchmarks/kernels.py [--device cpu|cuda] [--out results.json]
+    python benchmarks/paged_kernels.py [--device cpu|cuda] [--out results.json]
 """
 
 from __future__ import annotations
