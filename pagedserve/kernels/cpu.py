@@ -83,6 +83,11 @@ def _cpu_id() -> str:
 
 
 @functools.cache
+def _cpu_flags() -> frozenset[str]:
+    return frozenset(_cpu_id().split())
+
+
+@functools.cache
 def extension() -> ModuleType | None:
     """The compiled kernel module, or None (logged once) where it cannot be built."""
     if os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") == "0":
@@ -118,6 +123,22 @@ def gemm_enabled(dtype: torch.dtype) -> bool:
         return forced != "0"
     flags = _cpu_id().split()
     return "avx512f" not in flags if dtype == torch.float32 else "amx_bf16" not in flags
+
+
+def prefill_enabled() -> bool:
+    """Whether bf16 prefill chunks take cpu_prefill.cpp's kernel (KV read through the block table)
+    instead of gathering KV for torch's SDPA: where it was built (AVX512-BF16) and the CPU has no
+    AMX. With AMX, SDPA's GEMMs run on oneDNN's AMX kernels and the gather costs less than they
+    save: on a 2-vCPU Sapphire Rapids VM, SmolLM2 bf16, a whole step of 256 new tokens over 768
+    took 144 ms with SDPA against 187-200 with the kernel, 1024 new tokens 374-456 against 536-730.
+    ``PAGEDSERVE_CPU_PREFILL=1`` or ``0`` decides instead, where the kernel was built."""
+    ext = extension()
+    if ext is None or not ext.prefill_bf16_available():
+        return False
+    forced = os.environ.get("PAGEDSERVE_CPU_PREFILL")
+    if forced is not None:
+        return forced != "0"
+    return "amx_bf16" not in _cpu_flags()
 
 
 def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
@@ -171,9 +192,8 @@ def paged_attention(
         rows = layout.decode_rows
         out.index_copy_(0, rows, paged_decode(query.index_select(0, rows), k_cache, v_cache, tables, lens,
                                               scale, sliding_window))  # fmt: skip
-    fast = (query.dtype == torch.bfloat16 and ext.prefill_bf16_available() and query.shape[-1] % 16 == 0
-            and query.shape[-1] <= 256 and k_cache.is_contiguous() and v_cache.is_contiguous()
-            and os.environ.get("PAGEDSERVE_CPU_PREFILL", "1") != "0")  # fmt: skip
+    fast = (query.dtype == torch.bfloat16 and query.shape[-1] % 16 == 0 and query.shape[-1] <= 256
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and prefill_enabled())  # fmt: skip
     for b in layout.extends:
         rows = slice(layout.starts[b], layout.starts[b] + layout.q_lens[b])
         if fast:  # bf16 with AVX512-BF16: cpu_prefill.cpp, KV read through the table (no SDPA)

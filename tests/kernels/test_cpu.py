@@ -104,6 +104,7 @@ prefill_kernel = pytest.mark.skipif(cpu.extension() is None or not cpu.extension
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_bf16_prefill_kernel_matches_contiguous(monkeypatch, window, heads, head_dim, block_size) -> None:
+    monkeypatch.setenv("PAGEDSERVE_CPU_PREFILL", "1")  # by default not on CPUs with AMX (below)
     ext = cpu.extension()
     calls = []
     real = ext.paged_prefill
@@ -115,6 +116,31 @@ def test_bf16_prefill_kernel_matches_contiguous(monkeypatch, window, heads, head
     assert sorted(calls) == sorted(q for _, q in PREFILL if q > 1), "every chunk of 2+ queries runs it"
     expected = contiguous_attention(batch, scale=scale, sliding_window=window)
     assert max_error(out, expected) < TOLERANCE[torch.bfloat16]
+
+
+@prefill_kernel
+@pytest.mark.parametrize("amx", [False, True])
+def test_bf16_prefill_takes_the_kernel_by_default_only_without_amx(monkeypatch, amx) -> None:
+    """With AMX, prefill chunks gather KV for SDPA (oneDNN's AMX GEMMs); without, the kernel runs.
+    PAGEDSERVE_CPU_PREFILL decides instead when set. Either way the result is attention's."""
+    flags = {"avx512f", "avx512_bf16"} | ({"amx_bf16", "amx_tile"} if amx else set())
+    monkeypatch.setattr(cpu, "_cpu_flags", lambda: frozenset(flags))
+    ext = cpu.extension()
+    calls = []
+    real = ext.paged_prefill
+    monkeypatch.setattr(ext, "paged_prefill", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    batch = make_batch([(64, 64), (190, 45), (5, 1)], num_q_heads=9, num_kv_heads=3, head_dim=64,
+                       block_size=16, dtype=torch.bfloat16)  # fmt: skip
+    expected = contiguous_attention(batch, scale=0.125)
+    for forced, runs in ((None, not amx), ("0" if not amx else "1", amx)):
+        if forced is None:
+            monkeypatch.delenv("PAGEDSERVE_CPU_PREFILL", raising=False)
+        else:
+            monkeypatch.setenv("PAGEDSERVE_CPU_PREFILL", forced)
+        calls.clear()
+        out = cpu.paged_attention(*batch.args(), scale=0.125, max_query_len=64)
+        assert sorted(calls) == ([45, 64] if runs else []), (forced, calls)
+        assert max_error(out, expected) < TOLERANCE[torch.bfloat16]
 
 
 @prefill_kernel
