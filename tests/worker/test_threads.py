@@ -74,6 +74,7 @@ def test_prefill_steps_take_the_reserved_cores_too(tiny_engine_model: Path, monk
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     monkeypatch.setenv("PAGEDSERVE_CPU_PREFILL_THREADS", "2")
+    monkeypatch.setattr(worker_module, "PREFILL_CALIBRATE", False)  # two as given (calibration: below)
     try:
         w = Worker(str(tiny_engine_model), dtype="float32")
         assert (w.max_threads, w.prefill_threads) == (1, 2)
@@ -87,6 +88,38 @@ def test_prefill_steps_take_the_reserved_cores_too(tiny_engine_model: Path, monk
             w.execute(StepPlan([ScheduledSeq(f"p{n}", prompt, 0, 0, [blocks], True, new=new)]))
             seen[n] = torch.get_num_threads()
         assert seen == {SMALL_STEP_TOKENS + 1: 1, LARGE_STEP_TOKENS: 2}
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(("wide_time", "chosen"), [(0.5, 2), (0.8, 2), (0.9, 1), (1.2, 1)])
+def test_prefill_threads_are_calibrated(tiny_engine_model: Path, monkeypatch, wide_time, chosen) -> None:
+    """Prefill steps keep PAGEDSERVE_CPU_PREFILL_THREADS only where a prefill on them took at
+    most PREFILL_GAIN (0.85) of one thread's time; else they run on one. The calibration runs
+    when the pool is made (with the real clock here, either choice) and leaves the count as set."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setenv("PAGEDSERVE_CPU_PREFILL_THREADS", "2")
+    try:
+        w = Worker(str(tiny_engine_model), dtype="float32")
+        w.init_kv_pool(num_blocks=64, block_size=8)
+        assert w.prefill_threads in (1, 2)
+        now = [0.0]
+
+        def perf_counter() -> float:
+            now[0] += wide_time if torch.get_num_threads() == 2 else 1.0
+            return now[0]
+
+        monkeypatch.setattr(worker_module.time, "perf_counter", perf_counter)
+        w.prefill_threads = 2
+        assert w.calibrate_prefill_threads() == chosen == w.prefill_threads
+        assert torch.get_num_threads() == 1, "calibration leaves the count as it found it"
+        monkeypatch.undo()
+        prompt = list(range(5, 5 + LARGE_STEP_TOKENS))
+        new = {"params": {"temperature": 0.0, "max_tokens": 2}, "prompt_token_ids": prompt}
+        w.states.clear()
+        w.execute(StepPlan([ScheduledSeq("p", prompt, 0, 0, [list(range(16))], True, new=new)]))
+        assert torch.get_num_threads() == chosen, "a prefill step runs on the calibrated count"
     finally:
         torch.set_num_threads(before)
 
@@ -114,6 +147,7 @@ def test_decode_attention_over_much_kv_runs_on_prefill_threads(tiny_engine_model
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     monkeypatch.setenv("PAGEDSERVE_CPU_PREFILL_THREADS", "2")
+    monkeypatch.setattr(worker_module, "PREFILL_CALIBRATE", False)
     asked = []
     real = cpu_kernels.set_decode_threads
     monkeypatch.setattr(cpu_kernels, "set_decode_threads", lambda n: asked.append(n) or real(n))
