@@ -121,7 +121,7 @@ def gemm_enabled(dtype: torch.dtype) -> bool:
     forced = os.environ.get("PAGEDSERVE_CPU_GEMM")
     if forced is not None:
         return forced != "0"
-    flags = _cpu_id().split()
+    flags = _cpu_flags()
     return "avx512f" not in flags if dtype == torch.float32 else "amx_bf16" not in flags
 
 
@@ -196,7 +196,7 @@ def paged_attention(
             and k_cache.is_contiguous() and v_cache.is_contiguous() and prefill_enabled())  # fmt: skip
     for b in layout.extends:
         rows = slice(layout.starts[b], layout.starts[b] + layout.q_lens[b])
-        if fast:  # bf16 with AVX512-BF16: cpu_prefill.cpp, KV read through the table (no SDPA)
+        if fast:  # bf16, AVX512-BF16, no AMX: cpu_prefill.cpp, KV read through the table (no SDPA)
             table = block_tables[b] if block_tables.dtype == torch.int32 else block_tables[b].int()
             out[rows] = ext.paged_prefill(query[rows], k_cache, v_cache, table, layout.lens[b], scale,
                                           sliding_window or 0)  # fmt: skip

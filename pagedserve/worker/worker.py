@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -47,6 +48,19 @@ DECODE_ATTENTION_KV_TOKENS = int(os.environ.get("PAGEDSERVE_CPU_DECODE_ATTENTION
 PREFILL_CALIBRATE = os.environ.get("PAGEDSERVE_CPU_PREFILL_CALIBRATE", "1") != "0"
 PREFILL_GAIN = 0.85  # the most of max_threads' time a prefill on prefill_threads may take
 CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB: ~1,450 blocks of 16 tokens for SmolLM2-135M in fp32
+
+
+def _median_times(counts: tuple[int, ...], repeats: int, run: Callable[[], object]) -> dict[int, float]:
+    """Median seconds of `run` on each thread count, interleaved over `repeats` rounds after one
+    that warms up (the thread count is left at the last one's)."""
+    times: dict[int, list[float]] = {k: [] for k in counts}
+    for _ in range(repeats + 1):
+        for threads, samples in times.items():
+            torch.set_num_threads(threads)
+            t0 = time.perf_counter()
+            run()
+            samples.append(time.perf_counter() - t0)
+    return {k: sorted(v[1:])[len(v[1:]) // 2] for k, v in times.items()}
 
 
 @dataclass(slots=True)
@@ -196,15 +210,10 @@ class Worker:
         meta = _metadata([ScheduledSeq("calibrate", [0], context, 0, tables[0], True)], tables, bs,
                          self.device)  # fmt: skip
         one = torch.zeros(1, dtype=torch.int64, device=self.device)
-        times: dict[int, list[float]] = {1: [], self.max_threads: []}
-        for _ in range(repeats + 1):  # the first round warms up
-            for threads, samples in times.items():
-                torch.set_num_threads(threads)
-                t0 = time.perf_counter()
-                self.model.compute_logits(self.model(one, meta.positions, meta.attn, pool.kv_caches))
-                samples.append(time.perf_counter() - t0)
+        median = _median_times((1, self.max_threads), repeats,
+                               lambda: self.model.compute_logits(self.model(one, meta.positions, meta.attn,
+                                                                            pool.kv_caches)))  # fmt: skip
         torch.set_num_threads(self.max_threads)
-        median = {k: sorted(v[1:])[len(v[1:]) // 2] for k, v in times.items()}
         self.small_step_threads = min(median, key=median.get)
         logger.info("steps of <= %d tokens run on %d thread(s): a decode step took %s",
                     SMALL_STEP_TOKENS, self.small_step_threads,
@@ -236,15 +245,9 @@ class Worker:
                          self.device)  # fmt: skip
         ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
         before, base, wide = torch.get_num_threads(), self.max_threads, self.prefill_threads
-        times: dict[int, list[float]] = {base: [], wide: []}
-        for _ in range(repeats + 1):  # the first round warms up
-            for threads, samples in times.items():
-                torch.set_num_threads(threads)
-                t0 = time.perf_counter()
-                self.model(ids, meta.positions, meta.attn, pool.kv_caches)
-                samples.append(time.perf_counter() - t0)
+        median = _median_times((base, wide), repeats, lambda: self.model(ids, meta.positions, meta.attn,
+                                                                          pool.kv_caches))  # fmt: skip
         torch.set_num_threads(before)
-        median = {k: sorted(v[1:])[len(v[1:]) // 2] for k, v in times.items()}
         self.prefill_threads = wide if median[wide] <= PREFILL_GAIN * median[base] else base
         logger.info("prefill steps run on %d thread(s): a %d-token prefill took %s", self.prefill_threads,
                     tokens, ", ".join(f"{1e3 * t:.1f} ms on {k}" for k, t in median.items()))  # fmt: skip
