@@ -232,7 +232,10 @@ class Worker:
         two threads and served TTFT fell (c1 167 -> 144 ms). On a 2-vCPU Sapphire Rapids VM (AMX,
         SmolLM2 bf16) a 256-token prefill took 117.8 ms on one thread and 119.8 on two in
         process, and served on two (the HTTP stack's core shared) 151 ms a step against 118.5
-        on one: client TTFT ~170 -> ~137 ms at concurrency 1.
+        on one: client TTFT ~170 -> ~137 ms at concurrency 1. That was with OMP_WAIT_POLICY=PASSIVE
+        alone, where each parallel region wakes the other thread through the kernel; with the
+        engines' bounded spin (router.app.OMP_SPIN_COUNT) a 128-token prefill there took 43-46 ms
+        on two threads against 60-62 on one, and two are kept (c16 TTFT p50 1077 -> 784 ms).
         """
         pool, bs = self.pool, self.block_size
         assert pool is not None

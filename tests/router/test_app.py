@@ -9,6 +9,7 @@ from ray.serve import Application
 
 from pagedserve.config import ConfigError, EngineConfig, ServeConfig
 from pagedserve.router.app import (
+    OMP_SPIN_COUNT,
     app_builder,
     build_app,
     compact_kv_events,
@@ -102,16 +103,21 @@ def test_cpu_threads_leave_the_reserved_cores_to_the_serving_stack(monkeypatch) 
 
 def test_engine_env_carries_the_cpu_switches_from_the_serving_shell(monkeypatch) -> None:
     monkeypatch.delenv("PAGEDSERVE_CACHE_DIR", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     for key in [k for k in os.environ if k.startswith("PAGEDSERVE_CPU_")]:
         monkeypatch.delenv(key)
     cfg = ServeConfig()
     env = engine_env(cfg, 1)
     assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["OMP_NUM_THREADS"] == "1"
+    # a bounded spin (which GNU OpenMP takes over PASSIVE) so a step's parallel regions run back to back
+    assert env["GOMP_SPINCOUNT"] == OMP_SPIN_COUNT and 0 < int(OMP_SPIN_COUNT) <= 100_000
     assert env["PAGEDSERVE_CPU_PREFILL_THREADS"] == str(cpu_threads_per_replica(1, reserved=0))
     monkeypatch.setenv("PAGEDSERVE_CPU_SHARE_BLOCKS", "0")
     monkeypatch.setenv("PAGEDSERVE_CPU_PREFILL_THREADS", "3")
     monkeypatch.setenv("PAGEDSERVE_OTHER", "x")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "0")
     env = engine_env(cfg, 1)
+    assert env["GOMP_SPINCOUNT"] == "0"
     assert env["PAGEDSERVE_CPU_SHARE_BLOCKS"] == "0" and env["PAGEDSERVE_CPU_PREFILL_THREADS"] == "3"
     assert "PAGEDSERVE_OTHER" not in env
 
