@@ -167,3 +167,30 @@ def test_decode_attention_over_much_kv_runs_on_prefill_threads(tiny_engine_model
     finally:
         torch.set_num_threads(before)
         cpu_kernels.set_decode_threads(0)
+
+
+def test_prefill_calibration_takes_each_count_at_its_fastest(tiny_engine_model: Path, monkeypatch) -> None:
+    """Runs disturbed by other processes (as while the replica starts) take longer; the choice
+    compares the fastest run of each count, so two threads win here though their median lost."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setenv("PAGEDSERVE_CPU_PREFILL_THREADS", "2")
+    try:
+        w = Worker(str(tiny_engine_model), dtype="float32")
+        w.init_kv_pool(num_blocks=64, block_size=8)
+        wide = iter([0.5, 3.0, 0.5, 3.0, 3.0, 3.0])  # warm-up, then 5 rounds: median 3.0, best 0.5
+        now = [0.0]
+        ticks = []
+
+        def perf_counter() -> float:
+            if not ticks:  # a run's start: advance by the run's duration at its end
+                ticks.append(next(wide) if torch.get_num_threads() == 2 else 1.0)
+                return now[0]
+            now[0] += ticks.pop()
+            return now[0]
+
+        monkeypatch.setattr(worker_module.time, "perf_counter", perf_counter)
+        w.prefill_threads = 2
+        assert w.calibrate_prefill_threads() == 2 == w.prefill_threads
+    finally:
+        torch.set_num_threads(before)
