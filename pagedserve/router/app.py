@@ -526,13 +526,15 @@ def cpu_threads_per_replica(num_replicas: int, cpus: int | None = None, reserved
 
 
 # Spins an idle OpenMP thread of an engine makes before it sleeps (GNU OpenMP, torch's; ~25 ns each
-# with x86's pause: ~0.7 ms). With none (OMP_WAIT_POLICY=PASSIVE alone) every parallel region of a
+# with x86's pause: ~0.25 ms). With none (OMP_WAIT_POLICY=PASSIVE alone) every parallel region of a
 # step wakes the other thread through the kernel: on 2 vCPUs of a Sapphire Rapids VM a 256-token
-# bf16 prefill took 103 ms on two threads against 95 on one; back to back with 10,000 spins 67-71
-# ms (3,000: 86), but after 0.3 s idle (as served, between requests) a median 107 ms against 69
-# with 30,000 (100,000: 69.5). The spinning stops within ~0.7 ms of a step's end, so the other
-# core goes back to the HTTP stack; the shell's GOMP_SPINCOUNT, where set, wins.
-OMP_SPIN_COUNT = "30000"
+# bf16 prefill took 103 ms on two threads against 95 on one, with 10,000 spins 67-71 ms (3,000:
+# 86). In process after 0.3 s idle 30,000 did better (a median 69 against 107 ms), but served
+# (make bench-peers, two prefill threads) 10,000 gave TTFT p50 784 / 1086 / 124 ms at c16 /
+# shared prefix / c1 against 972 / 1172 / 130 with 30,000: the longer spin takes the core the HTTP
+# stack shares. The spinning stops within ~0.25 ms of a step's end; the shell's GOMP_SPINCOUNT,
+# where set, wins.
+OMP_SPIN_COUNT = "10000"
 
 
 def engine_env(cfg: ServeConfig, threads: int) -> dict[str, str]:
