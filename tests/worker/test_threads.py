@@ -92,11 +92,10 @@ def test_prefill_steps_take_the_reserved_cores_too(tiny_engine_model: Path, monk
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize(("wide_time", "chosen"), [(0.5, 2), (0.8, 2), (0.9, 1), (1.2, 1)])
-def test_prefill_threads_are_calibrated(tiny_engine_model: Path, monkeypatch, wide_time, chosen) -> None:
-    """Prefill steps keep PAGEDSERVE_CPU_PREFILL_THREADS only where a prefill on them took at
-    most PREFILL_GAIN (0.85) of one thread's time; else they run on one. The calibration runs
-    when the pool is made (with the real clock here, either choice) and leaves the count as set."""
+@pytest.fixture
+def prefill_worker(tiny_engine_model: Path, monkeypatch):
+    """A worker of one torch thread whose prefill steps may take two (as served), its pool made
+    (which calibrates with the real clock: either choice)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     monkeypatch.setenv("PAGEDSERVE_CPU_PREFILL_THREADS", "2")
@@ -104,24 +103,33 @@ def test_prefill_threads_are_calibrated(tiny_engine_model: Path, monkeypatch, wi
         w = Worker(str(tiny_engine_model), dtype="float32")
         w.init_kv_pool(num_blocks=64, block_size=8)
         assert w.prefill_threads in (1, 2)
-        now = [0.0]
-
-        def perf_counter() -> float:
-            now[0] += wide_time if torch.get_num_threads() == 2 else 1.0
-            return now[0]
-
-        monkeypatch.setattr(worker_module.time, "perf_counter", perf_counter)
-        w.prefill_threads = 2
-        assert w.calibrate_prefill_threads() == chosen == w.prefill_threads
-        assert torch.get_num_threads() == 1, "calibration leaves the count as it found it"
-        monkeypatch.undo()
-        prompt = list(range(5, 5 + LARGE_STEP_TOKENS))
-        new = {"params": {"temperature": 0.0, "max_tokens": 2}, "prompt_token_ids": prompt}
-        w.states.clear()
-        w.execute(StepPlan([ScheduledSeq("p", prompt, 0, 0, [list(range(16))], True, new=new)]))
-        assert torch.get_num_threads() == chosen, "a prefill step runs on the calibrated count"
+        yield w
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(("wide_time", "chosen"), [(0.5, 2), (0.8, 2), (0.9, 1), (1.2, 1)])
+def test_prefill_threads_are_calibrated(prefill_worker: Worker, monkeypatch, wide_time, chosen) -> None:
+    """Prefill steps keep PAGEDSERVE_CPU_PREFILL_THREADS only where a prefill on them took at
+    most PREFILL_GAIN (0.85) of one thread's time; else they run on one. The calibration runs
+    when the pool is made and leaves the count as set."""
+    w = prefill_worker
+    now = [0.0]
+
+    def perf_counter() -> float:
+        now[0] += wide_time if torch.get_num_threads() == 2 else 1.0
+        return now[0]
+
+    monkeypatch.setattr(worker_module.time, "perf_counter", perf_counter)
+    w.prefill_threads = 2
+    assert w.calibrate_prefill_threads() == chosen == w.prefill_threads
+    assert torch.get_num_threads() == 1, "calibration leaves the count as it found it"
+    monkeypatch.undo()
+    prompt = list(range(5, 5 + LARGE_STEP_TOKENS))
+    new = {"params": {"temperature": 0.0, "max_tokens": 2}, "prompt_token_ids": prompt}
+    w.states.clear()
+    w.execute(StepPlan([ScheduledSeq("p", prompt, 0, 0, [list(range(16))], True, new=new)]))
+    assert torch.get_num_threads() == chosen, "a prefill step runs on the calibrated count"
 
 
 def _prefill_then_decode(w: Worker, batch: int, length: int) -> list[int]:
@@ -169,28 +177,21 @@ def test_decode_attention_over_much_kv_runs_on_prefill_threads(tiny_engine_model
         cpu_kernels.set_decode_threads(0)
 
 
-def test_prefill_calibration_takes_each_count_at_its_fastest(tiny_engine_model: Path, monkeypatch) -> None:
+def test_prefill_calibration_takes_each_count_at_its_fastest(prefill_worker: Worker, monkeypatch) -> None:
     """Runs disturbed by other processes (as while the replica starts) take longer; the choice
     compares the fastest run of each count, so two threads win here though their median lost."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("PAGEDSERVE_CPU_PREFILL_THREADS", "2")
-    try:
-        w = Worker(str(tiny_engine_model), dtype="float32")
-        w.init_kv_pool(num_blocks=64, block_size=8)
-        wide = iter([0.5, 3.0, 0.5, 3.0, 3.0, 3.0])  # warm-up, then 5 rounds: median 3.0, best 0.5
-        now = [0.0]
-        ticks = []
+    w = prefill_worker
+    wide = iter([0.5, 3.0, 0.5, 3.0, 3.0, 3.0])  # warm-up, then 5 rounds: median 3.0, best 0.5
+    now = [0.0]
+    ticks = []
 
-        def perf_counter() -> float:
-            if not ticks:  # a run's start: advance by the run's duration at its end
-                ticks.append(next(wide) if torch.get_num_threads() == 2 else 1.0)
-                return now[0]
-            now[0] += ticks.pop()
+    def perf_counter() -> float:
+        if not ticks:  # a run's start: advance by the run's duration at its end
+            ticks.append(next(wide) if torch.get_num_threads() == 2 else 1.0)
             return now[0]
+        now[0] += ticks.pop()
+        return now[0]
 
-        monkeypatch.setattr(worker_module.time, "perf_counter", perf_counter)
-        w.prefill_threads = 2
-        assert w.calibrate_prefill_threads() == 2 == w.prefill_threads
-    finally:
-        torch.set_num_threads(before)
+    monkeypatch.setattr(worker_module.time, "perf_counter", perf_counter)
+    w.prefill_threads = 2
+    assert w.calibrate_prefill_threads() == 2 == w.prefill_threads
