@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_decode.cpp", "cpu_ops.cpp", "cpu_gemm.cpp",
                                                             "cpu_prefill.cpp"))
-HEADERS = (Path(__file__).with_name("cpu_vec.h"),)
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_vec.h", "cpu_pool.h"))
 copy_blocks = reference.copy_blocks
 swap_blocks = reference.swap_blocks
 # Decode rows of sequences whose block tables begin with the same blocks (a shared prompt prefix
@@ -56,6 +56,19 @@ def set_decode_threads(threads: int) -> None:
     as torch.set_num_threads is; the worker sets it every step."""
     global _decode_threads
     _decode_threads = max(0, int(threads))
+
+
+def set_decode_pool(helpers: int, spin_us: int = 50) -> bool:
+    """Give the decode steps' linears and attention `helpers` threads beside the caller's
+    (cpu_pool.h; 0: they run on torch's threads, as before). Unlike an OpenMP team, the caller
+    never waits for a helper that has not started: served on 2 cores, where the second is the HTTP
+    stack's too, a helper takes the units it gets a core for. Returns whether the pool exists (the
+    extension was built). Process-wide."""
+    ext = extension()
+    if ext is None:
+        return False
+    ext.set_decode_pool(max(0, int(helpers)), max(0, int(spin_us)))
+    return True
 
 
 def _build_dir() -> Path:

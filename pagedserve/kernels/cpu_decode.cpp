@@ -20,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_pool.h"
 #include "cpu_vec.h"
 
 namespace {
@@ -301,7 +302,9 @@ void visit_sequences(const Paged<T>& pg, int64_t window, bool group, int64_t thr
   // of `order` as it finishes one: a thread on a core busy with something else (served, the HTTP
   // stack's) then leaves its share to the others instead of holding up the region. Units: one
   // sequence, or up to kPiece of a run sharing blocks (each unit reads those blocks once).
-  const int64_t nt = std::min<int64_t>(B, threads > 0 ? threads : at::get_num_threads());
+  pagedserve_pool::Pool& pool = pagedserve_pool::Pool::get();
+  const bool pooled = threads <= 0 && pool.helpers() > 0 && !at::in_parallel_region();
+  const int64_t nt = pooled ? B : std::min<int64_t>(B, threads > 0 ? threads : at::get_num_threads());
   if (nt <= 1 || at::in_parallel_region()) {
     Scratch scratch;
     task(0, B, scratch);
@@ -316,8 +319,13 @@ void visit_sequences(const Paged<T>& pg, int64_t window, bool group, int64_t thr
     units.emplace_back(i, r);
     i = r;
   }
-  std::atomic<int64_t> next_unit{0};
   const int64_t num_units = static_cast<int64_t>(units.size());
+  if (pooled) {  // the decode pool's threads (cpu_pool.h), one scratch each
+    std::vector<Scratch> scratch(pool.helpers() + 1);
+    pool.run(num_units, [&](int64_t u, int worker) { task(units[u].first, units[u].second, scratch[worker]); });
+    return;
+  }
+  std::atomic<int64_t> next_unit{0};
 #pragma omp parallel num_threads(static_cast<int>(nt))
   {
     Scratch scratch;
@@ -704,6 +712,8 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const c1
                          int64_t N);
 at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                          const c10::optional<at::Tensor>& bias, int64_t N, bool q8);
+void set_decode_pool(int64_t helpers, int64_t spin_us);
+int64_t decode_pool_helpers();
 // cpu_prefill.cpp
 bool prefill_bf16_available();
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -723,5 +733,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_bf16_available", &gemm_bf16_available, "whether the AVX512-BF16 bf16 linear kernel was built");
   m.def("pack_linear", &pack_linear, "a weight [N, K] packed into panels (fp32: 16 features, bf16: 32 x 2 k)");
   m.def("linear_packed", &linear_packed, "x W^T + b with W packed by pack_linear (fp32 AVX2, bf16 AVX512-BF16)");
+  m.def("set_decode_pool", &set_decode_pool, "helper threads for decode steps' linears and attention: "
+        "helpers beside the caller, spinning spin_us after each region (0 helpers: torch's threads)");
+  m.def("decode_pool_helpers", &decode_pool_helpers, "the decode pool's helper threads");
   m.def("linear_blocks", &linear_blocks, "x W^T + b with W in GGUF Q4_1 / Q8_0 blocks of 16-feature panels (fp32 AVX2)");
 }

@@ -12,7 +12,7 @@ import pytest
 
 from pagedserve import LLM
 from pagedserve.cluster.block_manager import RequestTooLong
-from pagedserve.cluster.engine_process import EngineProcess, EngineProcessDied
+from pagedserve.cluster.engine_process import ENGINE_NICE, EngineProcess, EngineProcessDied
 from pagedserve.cluster.outputs import merge_deltas
 from pagedserve.sampling import SamplingParams, SamplingParamsError
 from tests.cluster.test_async_engine import wait_idle
@@ -106,6 +106,11 @@ def test_block_states_prefix_reset_kv_events_and_snapshot(tiny_engine_model):
         engine = await EngineProcess.start(_flags(tiny_engine_model), cpus=[0])
         try:
             assert os.sched_getaffinity(engine.pid) == {0}, "the child runs on the cores it was given"
+            # a CPU engine raises its priority over the HTTP stack, every thread of it (where allowed)
+            nices = {int(open(f"/proc/{engine.pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[16])
+                     for t in os.listdir(f"/proc/{engine.pid}/task")}  # fmt: skip
+            if os.geteuid() == 0 and os.getpriority(os.PRIO_PROCESS, 0) == 0:
+                assert nices == {ENGINE_NICE}
             prompt = {"prompt_token_ids": list(range(200, 240))}  # 5 full blocks of 8
             async for _ in engine.generate_deltas(prompt, SamplingParams(max_tokens=1)):
                 pass

@@ -70,3 +70,27 @@ def test_greedy_answer_is_right(smollm2_dir: Path, smollm2: tuple) -> None:
         answer.append(token)
         chunk = [token]
     assert "Paris" in tokenizer.decode(answer)
+
+
+def test_gguf_blocks_with_decode_helpers_match_transformers(smollm2_dir: Path) -> None:
+    """As served on a CPU with AVX2: the weights kept in their GGUF blocks, the decode and prefill
+    linears and the decode attention shared with a helper thread of the decode pool."""
+    from pagedserve.kernels import cpu
+    from pagedserve.worker.layers import prepack_linear_weights
+
+    if not cpu.gemm_enabled(torch.float32):
+        pytest.skip("the AVX2 fp32 kernels do not serve this CPU")
+    model, config = load_model(smollm2_dir, dtype="float32", device="cpu")
+    assert prepack_linear_weights(model, gguf_blocks=True) > 0
+    prompts = [_chat_ids(smollm2_dir, q) for q in QUESTIONS]
+    pool = KVPool.for_model(config, num_blocks=32, block_size=16, dtype=torch.float32)
+    assert cpu.set_decode_pool(1)
+    try:
+        checks = prefill_then_decode(model, pool.kv_caches, prompts, 16, 32, decode_steps=3)
+    finally:
+        cpu.set_decode_pool(0)
+    reference = AutoModelForCausalLM.from_pretrained(smollm2_dir, local_files_only=True).eval()
+    with torch.no_grad():
+        for tokens, logits in checks:
+            expected = reference(torch.tensor([tokens])).logits[0, -len(logits):]
+            torch.testing.assert_close(logits, expected, atol=2e-4, rtol=0)
