@@ -89,6 +89,8 @@ def server_command(kind: str, model: Path, dtype: str, port: int) -> tuple[list[
                str(MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(port), "--served-model-name",
                SERVED_NAME]  # fmt: skip
     else:
+        # the engine above the HTTP stack on the shared cores (README: the 2026-12-04 evening run)
+        env.setdefault("PAGEDSERVE_CPU_ENGINE_NICE", "-10")
         cmd = [str(OUR_BIN / "pagedserve"), "serve", str(model), "--dtype", dtype, "--max-model-len",
                str(MAX_MODEL_LEN), "--kv-cache-memory", f"{KV_GIB}GiB", "--port", str(port),
                "--served-model-name", SERVED_NAME]  # fmt: skip
