@@ -202,16 +202,6 @@ bool gemm_bf16_available() {
 
 namespace {
 
-// The panels of a decode linear over threads: the decode pool's (cpu_pool.h) where it has
-// helpers, in units of `unit` panels; else torch's threads, in chunks of at least `grain`.
-template <typename F>
-void decode_panels(int64_t panels, int64_t grain, int64_t unit, const F& fn) {
-  if (pagedserve_pool::Pool::get().helpers() > 0)
-    pagedserve_pool::pool_for(panels, unit, fn);
-  else
-    at::parallel_for(0, panels, grain, fn);
-}
-
 // W [N, K] bf16 -> packed [ceil(N / 32), ceil(K / 2), 32, 2] (the bf16 layout above).
 at::Tensor pack_linear_bf16(const at::Tensor& weight) {
   const at::Tensor w = weight.contiguous();
@@ -326,7 +316,7 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const c1
     // unless that makes them shorter than 5 rows (8 rows ran 1.2x slower as 4 + 4 than as 6 + 2).
     const int64_t passes = (K + KD - 1) / KD, tiles = (M + MR - 1) / MR;
     const bool equal = M / tiles >= 5;
-    decode_panels(panels, 4, 2, [&](int64_t p0, int64_t p1) {
+    pagedserve_pool::decode_for(panels, 4, 2, [&](int64_t p0, int64_t p1) {
       const char* end = reinterpret_cast<const char*>(wp + p1 * K * NR);  // this thread's last panel ends
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t cols = std::min(NR, N - p * NR);
@@ -527,7 +517,7 @@ at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& q, const at::Ten
     }
   };
   if (M <= 3) {  // concurrency 1-3: dequantized in registers
-    decode_panels(panels, 4, 8, [&](int64_t p0, int64_t p1) {
+    pagedserve_pool::decode_for(panels, 4, 8, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
         const uint8_t* qp_ = qp + p * panel_q;
         const float* sp_ = sp + p * panel_s;
@@ -552,7 +542,7 @@ at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& q, const at::Ten
     // row tiles as linear_packed's
     const int64_t passes = (blocks + KD / QB - 1) / (KD / QB);
     const bool equal = M / tiles >= 5;
-    decode_panels(panels, 4, 2, [&](int64_t p0, int64_t p1) {
+    pagedserve_pool::decode_for(panels, 4, 2, [&](int64_t p0, int64_t p1) {
       alignas(64) float slice[KD * NR];
       for (int64_t p = p0; p < p1; ++p)
         for (int64_t s = 0, b0 = 0; s < passes; ++s) {
@@ -564,7 +554,7 @@ at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& q, const at::Ten
     return y.view(out_shape);
   }
   // more rows (prefill): blocks of MC rows x KC k, each panel slice dequantized once per row block
-  decode_panels(panels, 4, 4, [&](int64_t p0, int64_t p1) {
+  pagedserve_pool::decode_for(panels, 4, 4, [&](int64_t p0, int64_t p1) {
     alignas(64) float slice[KC * NR];
     for (int64_t m0 = 0; m0 < M; m0 += MC)
       for (int64_t b0 = 0; b0 < blocks; b0 += KC / QB)

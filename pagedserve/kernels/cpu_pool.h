@@ -17,6 +17,7 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+#include <ATen/Parallel.h>
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -158,6 +159,16 @@ void pool_for(int64_t n, int64_t grain, const F& fn) {
   grain = std::max<int64_t>(1, grain);
   const int64_t units = (n + grain - 1) / grain;
   Pool::get().run(units, [&](int64_t u, int) { fn(u * grain, std::min(n, (u + 1) * grain)); });
+}
+
+// The panels of a decode linear over threads: the pool's where it has helpers, in units of `unit`
+// panels; else torch's threads, in chunks of at least `grain`.
+template <typename F>
+void decode_for(int64_t panels, int64_t grain, int64_t unit, const F& fn) {
+  if (Pool::get().helpers() > 0)
+    pool_for(panels, unit, fn);
+  else
+    at::parallel_for(0, panels, grain, fn);
 }
 
 }  // namespace pagedserve_pool
