@@ -36,7 +36,7 @@ from pagedserve.kernels import reference
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_decode.cpp", "cpu_ops.cpp", "cpu_gemm.cpp",
-                                                            "cpu_prefill.cpp"))
+                                                            "cpu_prefill.cpp", "cpu_blocks_bf16.cpp"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_vec.h", "cpu_pool.h"))
 copy_blocks = reference.copy_blocks
 swap_blocks = reference.swap_blocks
@@ -274,9 +274,10 @@ def _q8_0_blocks(b: Tensor) -> tuple[Tensor, Tensor] | None:
     return q.to(torch.int8), d
 
 
-def gguf_blocks(weight: Tensor) -> tuple[Tensor, Tensor, bool] | None:
-    """A weight [N, K] (fp32) whose every value is an exact GGUF Q4_1 or Q8_0 block value, in
-    cpu_gemm.cpp's panel layout for linear_blocks: (q, scales, is_q8); None where it is not (most
+def _gguf_block_values(weight: Tensor) -> tuple[int, int, tuple[Tensor, ...]] | None:
+    """A weight [N, K] (fp32) whose every value is an exact GGUF Q4_1 or Q8_0 block value, as
+    (panels, blocks per row, (q, d, m) for Q4_1 or (q, d) for Q8_0) over its rows padded with zeros
+    to whole panels of 16 features, one block of 32 k a row of q; None where it is not (most
     weights: a dense checkpoint fails on its first row) or K is not a multiple of 32."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % _BLOCK or not weight.numel():
         return None
@@ -289,17 +290,56 @@ def gguf_blocks(weight: Tensor) -> tuple[Tensor, Tensor, bool] | None:
     padded = torch.zeros(panels * _PANEL, k)
     padded[:n] = w
     blocks = padded.view(panels * _PANEL * kb, _BLOCK)
-    q4 = _q4_1_blocks(blocks)
-    if q4 is not None:
-        q, d, m = q4
+    found = _q4_1_blocks(blocks)
+    if found is None:
+        found = _q8_0_blocks(blocks)
+    return None if found is None else (panels, kb, found)
+
+
+def gguf_blocks(weight: Tensor) -> tuple[Tensor, Tensor, bool] | None:
+    """A weight [N, K] (fp32) whose every value is an exact GGUF Q4_1 or Q8_0 block value, in
+    cpu_gemm.cpp's panel layout for linear_blocks: (q, scales, is_q8); None where it is not."""
+    found = _gguf_block_values(weight)
+    if found is None:
+        return None
+    panels, kb, values = found
+    if len(values) == 3:
+        q, d, m = values
         # [panels, 16 features, kb, 32 k] -> [panels, kb, 32 k, 16 features]
         q = q.view(panels, _PANEL, kb, _BLOCK).permute(0, 2, 3, 1)
         packed = (q[..., :8] | (q[..., 8:] << 4)).contiguous()
         scales = torch.stack([d.view(panels, _PANEL, kb), m.view(panels, _PANEL, kb)], 0)
         return packed, scales.permute(1, 3, 0, 2).contiguous(), False  # [panels, kb, 2, 16]
-    q8 = _q8_0_blocks(blocks)
-    if q8 is None:
-        return None
-    q, d = q8
+    q, d = values
     packed = q.view(panels, _PANEL, kb, _BLOCK).permute(0, 2, 3, 1).contiguous()
     return packed, d.view(panels, _PANEL, kb, 1).permute(0, 2, 3, 1).contiguous(), True
+
+
+def blocks_bf16_enabled() -> bool:
+    """Whether bf16 linears of a few rows may take cpu_blocks_bf16.cpp's kernel over GGUF blocks:
+    where it was built (AVX512-BF16), unless PAGEDSERVE_CPU_GGUF_BLOCKS=0."""
+    ext = extension()
+    return GGUF_BLOCKS and ext is not None and ext.blocks_bf16_available()
+
+
+def gguf_blocks_bf16(weight: Tensor) -> tuple[Tensor, bool] | None:
+    """A weight [N, K] (fp32) whose every value is an exact GGUF Q4_1 or Q8_0 block value, as
+    cpu_blocks_bf16.cpp's records for linear_blocks_bf16: (uint8 [ceil(N / 16), K / 32, record
+    bytes], is_q8); None where it is not."""
+    found = _gguf_block_values(weight)
+    if found is None:
+        return None
+    panels, kb, values = found
+
+    def fp16_bytes(x: Tensor) -> Tensor:  # [panels * 16 * kb] -> [panels, kb, 32]: 16 fp16 a record
+        return x.half().view(panels, _PANEL, kb).permute(0, 2, 1).contiguous().view(torch.uint8)
+
+    q = values[0].view(panels, _PANEL, kb, _BLOCK).permute(0, 2, 1, 3)  # [panels, kb, n, k]
+    if len(values) == 3:
+        # k = 4 t + 2 h + e: byte (t, n, e) holds h = 0 in its low nibble, h = 1 in its high one
+        q = q.reshape(panels, kb, _PANEL, 8, 2, 2).permute(0, 1, 3, 2, 5, 4).reshape(panels, kb, 256, 2)
+        nibbles = q[..., 0] | (q[..., 1] << 4)
+        return torch.cat([nibbles, fp16_bytes(values[1]), fp16_bytes(values[2])], -1).contiguous(), False
+    # k = 2 r + e: byte (r, n, e)
+    q = q.reshape(panels, kb, _PANEL, 16, 2).permute(0, 1, 3, 2, 4).reshape(panels, kb, 512)
+    return torch.cat([q.view(torch.uint8), fp16_bytes(values[1])], -1).contiguous(), True

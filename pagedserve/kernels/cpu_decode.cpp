@@ -714,6 +714,10 @@ at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& q, const at::Ten
                          const c10::optional<at::Tensor>& bias, int64_t N, bool q8);
 void set_decode_pool(int64_t helpers, int64_t spin_us);
 int64_t decode_pool_helpers();
+// cpu_blocks_bf16.cpp
+bool blocks_bf16_available();
+at::Tensor linear_blocks_bf16(const at::Tensor& x, const at::Tensor& records, const c10::optional<at::Tensor>& bias,
+                              int64_t N, bool q8);
 // cpu_prefill.cpp
 bool prefill_bf16_available();
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -737,4 +741,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "helpers beside the caller, spinning spin_us after each region (0 helpers: torch's threads)");
   m.def("decode_pool_helpers", &decode_pool_helpers, "the decode pool's helper threads");
   m.def("linear_blocks", &linear_blocks, "x W^T + b with W in GGUF Q4_1 / Q8_0 blocks of 16-feature panels (fp32 AVX2)");
+  m.def("blocks_bf16_available", &blocks_bf16_available, "whether the AVX512-BF16 GGUF-block kernel was built");
+  m.def("linear_blocks_bf16", &linear_blocks_bf16, "x W^T + b for bf16 x of a few rows with W in GGUF Q4_1 / Q8_0 "
+        "block records of 16-feature panels (AVX512-BF16)");
 }

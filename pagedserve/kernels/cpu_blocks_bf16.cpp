@@ -1,0 +1,188 @@
+// bf16 linear layers (y = x W^T + b) of a few rows, W read from its GGUF blocks (AVX512-BF16).
+//
+// Why: a decode step at concurrency 1 streams every weight once for one row of x. On a 2-vCPU Xeon
+// with AMX (2026-12-05) oneDNN's bf16 kernels ran SmolLM2's 30 layers and LM head in ~24 ms on one
+// core at 1 to 16 rows: 270 MB of bf16 weights. The default model is a GGUF file whose layers are
+// Q4_1 blocks (the LM head Q8_0): 0.625 and 1.06 bytes a weight instead of 2. Here each block's
+// integers q are expanded in registers to bf16 (exact: |q| <= 127) by a table lookup per 32 nibbles
+// and multiplied by x's pairs with vdpbf16ps (products exact, summed in fp32); each block's sums
+// are then scaled by the block's d and shifted by m times the block's sum of x:
+//
+//   y[r, n] = bias[n] + sum_b ( d[n, b] * sum_i x[r, 32 b + i] q[n, b, i]  +  m[n, b] * sum_i x[r, 32 b + i] )
+//
+// which is x times the exact weights d q + m (as the fp32 model holds them), not their bf16
+// roundings; the result is rounded once to bf16 (nearest even). A row's result does not depend on
+// the rows beside it. Work grows with rows (16 vdpbf16ps a block and row), memory traffic does not:
+// past a few rows oneDNN's AMX kernels over the dense bf16 weights win (layers.BF16_BLOCKS_MAX_ROWS).
+//
+// Layout of one (panel p, block b) record, panels of 16 features (features past N are zero):
+//   Q4_1 (320 bytes): [0, 256) eight row pairs t, 32 bytes each: byte j holds in its low nibble
+//        q[n = j / 2, k = 4 t + j % 2] and in its high one q[n = j / 2, k = 4 t + 2 + j % 2];
+//        [256, 288) d fp16 [16]; [288, 320) m fp16 [16].
+//   Q8_0 (544 bytes): [0, 512) 16 rows r of 32 int8: byte j is q[n = j / 2, k = 2 r + j % 2];
+//        [512, 544) d fp16 [16].
+// so that 32 consecutive values, as bf16, are one vdpbf16ps operand: feature n's pair of k in lane n.
+#include <torch/extension.h>
+
+#include "cpu_pool.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__F16C__)
+#include <immintrin.h>
+#define PAGEDSERVE_BLOCKS_BF16 1
+#endif
+
+namespace {
+
+constexpr int64_t KB = 32;  // k per GGUF block
+constexpr int64_t REC_Q4 = 320, REC_Q8 = 544;
+constexpr int RMAX = 4;  // rows of x a pass over a panel's blocks takes
+
+#if defined(PAGEDSERVE_BLOCKS_BF16)
+// y[r, 0:cols] for R rows of x (ldx bf16 a row) against one panel's records; sums [R, blocks]: each
+// block's sum of x (Q4_1's m term).
+template <int R, bool Q8>
+void panel_rows(const at::BFloat16* x, int64_t ldx, const uint8_t* rec, const float* sums, int64_t blocks,
+                const float* bias, at::BFloat16* y, int64_t ldy, int64_t cols) {
+  // bf16 of 0..15, twice: vpermw reads an index's low 5 bits, so a word holding a whole byte reads
+  // its low nibble (bit 4, the high nibble's lowest, picks the second copy, the same values)
+  const __m512i table = _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0,
+                                         0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000, 0x4170, 0x4160,
+                                         0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0,
+                                         0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
+  constexpr int C = R == 1 ? 4 : 2;  // accumulators a row: independent vdpbf16ps chains
+  const __mmask16 mask = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
+  const __m512 b0 = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+  __m512 tot[R];
+  for (int r = 0; r < R; ++r) tot[r] = b0;
+  auto pair = [&](int r, int64_t k) {  // x[r, k], x[r, k + 1] in every lane
+    int32_t v;
+    std::memcpy(&v, x + r * ldx + k, 4);
+    return (__m512bh)_mm512_set1_epi32(v);
+  };
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 acc[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    const int64_t k0 = b * KB;
+    if constexpr (!Q8) {
+      for (int t = 0; t < 8; ++t) {
+        const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * t)));
+        const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(bytes, table);
+        const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
+        const int c = R == 1 ? 2 * (t & 1) : 0;
+        for (int r = 0; r < R; ++r) {
+          acc[r][c] = _mm512_dpbf16_ps(acc[r][c], lo, pair(r, k0 + 4 * t));
+          acc[r][c + 1] = _mm512_dpbf16_ps(acc[r][c + 1], hi, pair(r, k0 + 4 * t + 2));
+        }
+      }
+    } else {
+      for (int t = 0; t < 16; ++t) {
+        const __m128i* src = reinterpret_cast<const __m128i*>(rec + 32 * t);
+        const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src)));
+        const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src + 1)));
+        const __m512bh w = _mm512_cvtne2ps_pbh(f1, f0);  // exact: |q| <= 127
+        const int c = R == 1 ? t & 3 : t & 1;
+        for (int r = 0; r < R; ++r) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w, pair(r, k0 + 2 * t));
+      }
+    }
+    constexpr int64_t scale_at = Q8 ? 512 : 256;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + scale_at)));
+    for (int r = 0; r < R; ++r) {
+      __m512 s = _mm512_add_ps(acc[r][0], acc[r][1]);
+      if constexpr (C == 4) s = _mm512_add_ps(s, _mm512_add_ps(acc[r][2], acc[r][3]));
+      tot[r] = _mm512_fmadd_ps(s, d, tot[r]);
+    }
+    if constexpr (!Q8) {
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + scale_at + 32)));
+      for (int r = 0; r < R; ++r) tot[r] = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * blocks + b]), m, tot[r]);
+    }
+    rec += Q8 ? REC_Q8 : REC_Q4;
+  }
+  for (int r = 0; r < R; ++r) _mm256_mask_storeu_epi16(y + r * ldy, mask, (__m256i)_mm512_cvtneps_pbh(tot[r]));
+}
+
+template <bool Q8>
+void linear_rows(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* records, const float* sums,
+                 const float* bias, at::BFloat16* y, int64_t N) {
+  const int64_t blocks = K / KB, panels = (N + 15) / 16, rec_bytes = Q8 ? REC_Q8 : REC_Q4;
+  pagedserve_pool::decode_for(panels, 4, 2, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* rec = records + p * blocks * rec_bytes;
+      const int64_t cols = std::min<int64_t>(16, N - p * 16);
+      const float* bp = bias ? bias + p * 16 : nullptr;
+      for (int64_t m0 = 0; m0 < M; m0 += RMAX) {
+        const at::BFloat16* xm = x + m0 * K;
+        const float* sm = sums ? sums + m0 * blocks : nullptr;
+        at::BFloat16* ym = y + m0 * N + p * 16;
+        switch (std::min<int64_t>(RMAX, M - m0)) {
+          case 1: panel_rows<1, Q8>(xm, K, rec, sm, blocks, bp, ym, N, cols); break;
+          case 2: panel_rows<2, Q8>(xm, K, rec, sm, blocks, bp, ym, N, cols); break;
+          case 3: panel_rows<3, Q8>(xm, K, rec, sm, blocks, bp, ym, N, cols); break;
+          default: panel_rows<4, Q8>(xm, K, rec, sm, blocks, bp, ym, N, cols); break;
+        }
+      }
+    }
+  });
+}
+#endif
+
+}  // namespace
+
+bool blocks_bf16_available() {
+#if defined(PAGEDSERVE_BLOCKS_BF16)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// y [M, N] = x [M, K] W^T + bias for bf16 x, W in the records above (`q8`: Q8_0, else Q4_1), as a
+// uint8 tensor [ceil(N / 16), K / 32, record bytes]; bias fp32 [N] or none.
+at::Tensor linear_blocks_bf16(const at::Tensor& x, const at::Tensor& records, const c10::optional<at::Tensor>& bias,
+                              int64_t N, bool q8) {
+#if defined(PAGEDSERVE_BLOCKS_BF16)
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_blocks_bf16: bf16 x");
+  TORCH_CHECK(records.scalar_type() == at::kByte && records.dim() == 3 && records.is_contiguous() &&
+                  records.size(2) == (q8 ? REC_Q8 : REC_Q4),
+              "linear_blocks_bf16: bad block layout");
+  const int64_t panels = records.size(0), blocks = records.size(1), K = blocks * KB;
+  TORCH_CHECK(x.size(-1) == K, "linear_blocks_bf16: x has ", x.size(-1), " features, the weight ", K);
+  TORCH_CHECK(N > (panels - 1) * 16 && N <= panels * 16, "linear_blocks_bf16: N does not match the panels");
+  const at::Tensor xc = x.reshape({-1, K}).contiguous();
+  const int64_t M = xc.size(0);
+  at::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    bc = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bc.numel() == N, "linear_blocks_bf16: bias must have N values");
+  }
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  at::Tensor y = at::empty({M, N}, xc.options());
+  if (M == 0) return y.view(out_shape);
+  const auto* xp = xc.data_ptr<at::BFloat16>();
+  const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
+  if (q8) {
+    linear_rows<true>(xp, M, K, records.data_ptr<uint8_t>(), nullptr, bp, y.data_ptr<at::BFloat16>(), N);
+  } else {
+    // Q4_1's m term: each block's sum of x in fp32 [M, blocks]
+    std::vector<float> sums(M * blocks);
+    const uint16_t* xu = reinterpret_cast<const uint16_t*>(xp);
+    for (int64_t i = 0; i < M * blocks; ++i) {
+      const __m512i w = _mm512_loadu_si512(xu + i * KB);  // 32 bf16 -> fp32: the high half of each lane
+      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+      const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+      sums[i] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    }
+    linear_rows<false>(xp, M, K, records.data_ptr<uint8_t>(), sums.data(), bp, y.data_ptr<at::BFloat16>(), N);
+  }
+  return y.view(out_shape);
+#else
+  TORCH_CHECK(false, "linear_blocks_bf16: built without AVX512-BF16");
+  return x;
+#endif
+}
