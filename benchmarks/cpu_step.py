@@ -1,7 +1,7 @@
 """Engine step times on CPU, in process: variants of the model's execution compared in one run.
 
 Workload: the default model (SmolLM2-135M-Instruct) in one Worker with a paged KV pool; decode
-steps of batch 1 and 16 over a 300-token context, and a 256-token prefill chunk, each timed
+steps of batch 1, 4 and 16 over a 300-token context, and a 256-token prefill chunk, each timed
 through ``Worker.execute`` (metadata, model, LM head, sampling: what a served step runs). Variants:
 
 - ``fused``: the C++ fused RMSNorm / rotary / SiLU-and-mul / KV write (the default), against
@@ -10,7 +10,8 @@ through ``Worker.execute`` (metadata, model, LM head, sampling: what a served st
 - ``dense panels``: the linear layers' weights in cpu_gemm.cpp's dense fp32 panels, not the GGUF
   Q4_1 / Q8_0 blocks the default keeps them in (fp32 on AVX2: cpu.gguf_blocks);
 - ``oneDNN linears``: every linear layer on oneDNN's prepacked weights, none on the kernels of
-  cpu_gemm.cpp (where the dtype has one on this CPU: fp32 on AVX2, bf16 on AVX512-BF16 without AMX).
+  cpu_gemm.cpp (where the dtype has one on this CPU: fp32 on AVX2, bf16 on AVX512-BF16 without AMX)
+  or cpu_blocks_bf16.cpp (bf16 GGUF blocks on AMX, steps of up to 4 rows).
 
 Prints the median step time of each (workload, variant) and the ratio to the default's. Then the
 decode attention kernel alone over 30 layers' pools of the model's KV shape (random KV, blocks at
@@ -129,6 +130,7 @@ def main() -> None:
                 f"fused {cores} threads": ("1", cores), "dense panels": ("1", None),
                 "oneDNN linears": ("1", None)}  # fmt: skip
     workloads = {"decode b1": lambda: time_decode(w, 1, 300, args.steps),
+                 "decode b4": lambda: time_decode(w, 4, 300, args.steps),
                  "decode b16": lambda: time_decode(w, 16, 300, args.steps),
                  "prefill 256": lambda: time_prefill(w, 256, 4)}  # fmt: skip
     results: dict[str, dict[str, list[float]]] = {k: {v: [] for v in variants} for k in workloads}

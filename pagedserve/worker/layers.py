@@ -83,16 +83,43 @@ def _all_gather_last(x: Tensor, tp_size: int) -> Tensor:
 GEMM_MAX_ROWS = {torch.float32: math.inf, torch.bfloat16: 32}
 
 
+# bf16 on CPUs with AMX: rows up to which a linear layer whose weights are exact GGUF block values
+# runs cpu_blocks_bf16.cpp's kernel over those blocks rather than oneDNN over the dense bf16 weights.
+# SmolLM2's 30 layers and LM head, 2-vCPU Xeon with AMX, two threads (2026-12-05): 1 row 7.5 ms
+# against oneDNN's 13.0, 2 rows 8.6 / 13.1, 4 rows 11.3 / 12.8, 8 rows 19.4 / 12.7 (the kernel's
+# work grows with rows, oneDNN's time hardly does).
+BF16_BLOCKS_MAX_ROWS = 4
+
+
+@dataclass(frozen=True)
+class Bf16Blocks:
+    """A weight kept as cpu_blocks_bf16.cpp's records of its GGUF blocks (cpu.gguf_blocks_bf16)."""
+
+    records: Tensor
+    q8: bool
+
+
+# a linear layer's weight for cpu_gemm.cpp (dense panels; GGUF blocks: q, scales, is_q8) or
+# cpu_blocks_bf16.cpp, see prepack_linear_weights
+GemmWeight = Tensor | tuple[Tensor, Tensor, bool] | Bf16Blocks | None
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: Tensor | None = None,
-           gemm: Tensor | tuple[Tensor, Tensor, bool] | None = None) -> Tensor:  # fmt: skip
+           gemm: GemmWeight = None) -> Tensor:  # fmt: skip
     """x W^T + b: through cpu_gemm.cpp's packed weight (`gemm`: dense panels for up to
-    GEMM_MAX_ROWS rows, or GGUF blocks for any row count), else the weight prepacked for oneDNN
-    (`packed`) when there is one (CPU), else torch's linear."""
-    if isinstance(gemm, tuple):
+    GEMM_MAX_ROWS rows, or GGUF blocks for any row count), or cpu_blocks_bf16.cpp's GGUF blocks for
+    up to BF16_BLOCKS_MAX_ROWS rows, else the weight prepacked for oneDNN (`packed`) when there is one (CPU),
+    else torch's linear."""
+    if isinstance(gemm, Bf16Blocks):
+        if x.numel() <= BF16_BLOCKS_MAX_ROWS * x.shape[-1]:
+            from pagedserve.kernels import cpu
+
+            return cpu.extension().linear_blocks_bf16(x, gemm.records, bias, weight.shape[0], gemm.q8)
+    elif isinstance(gemm, tuple):
         from pagedserve.kernels import cpu
 
         return cpu.extension().linear_blocks(x, gemm[0], gemm[1], bias, weight.shape[0], gemm[2])
-    if gemm is not None and x.numel() <= GEMM_MAX_ROWS[gemm.dtype] * x.shape[-1]:
+    elif gemm is not None and x.numel() <= GEMM_MAX_ROWS[gemm.dtype] * x.shape[-1]:
         from pagedserve.kernels import cpu
 
         return cpu.extension().linear_packed(x, gemm, bias, weight.shape[0])
@@ -101,8 +128,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: Tensor | None
     return F.linear(x, weight, bias)
 
 
-def prepack_linear_weights(model: nn.Module, onednn_always: bool = False,
-                           gguf_blocks: bool | None = None) -> int:  # fmt: skip
+def prepack_linear_weights(model: nn.Module, onednn_always: bool = False, gguf_blocks: bool | None = None,
+                           exact: nn.Module | None = None) -> int:  # fmt: skip
     """Reorder every linear layer's weight once into oneDNN's blocked layout (CPU only), and where
     cpu.gemm_enabled says also into the panels of cpu_gemm.cpp's kernels (fp32 on CPUs without
     AVX-512, for steps of any size; bf16 on CPUs with AVX512-BF16 but no AMX, for steps of few rows).
@@ -120,23 +147,30 @@ def prepack_linear_weights(model: nn.Module, onednn_always: bool = False,
     A weight whose every value is an exact GGUF Q4_1 or Q8_0 block value (cpu.gguf_blocks: the
     default model, converted from its GGUF file) is kept in those blocks instead, where the fp32
     kernels run (`gguf_blocks`, default cpu.GGUF_BLOCKS): the same weights in 5-6x fewer bytes,
-    every row count through cpu_gemm.cpp's linear_blocks. Returns the number of layers prepacked.
+    every row count through cpu_gemm.cpp's linear_blocks. A bf16 model on a CPU with AMX keeps
+    them in cpu_blocks_bf16.cpp's records beside oneDNN's dense copy (steps of up to
+    BF16_BLOCKS_MAX_ROWS rows take the blocks, multiplying by the exact weights, not their bf16
+    roundings): its own weights are those roundings, so the block values are read from `exact`,
+    the same model loaded in fp32 (module names match). Returns the number of layers
+    prepacked.
     """
     if not torch.backends.mkldnn.is_available():
         return 0
     from pagedserve.kernels import cpu
 
+    if gguf_blocks is None:
+        gguf_blocks = cpu.GGUF_BLOCKS
+    exact_modules = exact.named_modules() if exact is not None else ()
+    exact_weights = {name: m.weight for name, m in exact_modules if isinstance(m, _LINEARS)}
     count = 0
-    for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+    for name, module in model.named_modules():
+        if isinstance(module, _LINEARS):
             weight = module.weight
             if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
                 continue
             if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
                 continue
             gemm = cpu.gemm_enabled(weight.dtype)
-            if gguf_blocks is None:
-                gguf_blocks = cpu.GGUF_BLOCKS
             blocks = cpu.gguf_blocks(weight) if gemm and gguf_blocks and not onednn_always else None
             if blocks is not None:  # exact GGUF block values: kept in their blocks, all row counts
                 module.gemm_weight = blocks
@@ -144,6 +178,10 @@ def prepack_linear_weights(model: nn.Module, onednn_always: bool = False,
                 continue
             if gemm:
                 module.gemm_weight = cpu.extension().pack_linear(weight.detach())
+            elif (weight.dtype == torch.bfloat16 and gguf_blocks and name in exact_weights
+                  and not onednn_always and cpu.blocks_bf16_enabled()):  # fmt: skip
+                found = cpu.gguf_blocks_bf16(exact_weights[name])
+                module.gemm_weight = Bf16Blocks(*found) if found is not None else None
             if onednn_always or not gemm or GEMM_MAX_ROWS[weight.dtype] < math.inf:
                 module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
             count += 1
@@ -167,7 +205,7 @@ class ColumnParallelLinear(nn.Module):
         self.output_size_per_partition = _divide(output_size, tp_size, "output features")
         self.weight = _parameter(self.output_size_per_partition, input_size, loader=self.weight_loader)
         self.packed_weight: Tensor | None = None  # see prepack_linear_weights
-        self.gemm_weight: Tensor | tuple[Tensor, Tensor, bool] | None = None  # see prepack_linear_weights
+        self.gemm_weight: GemmWeight = None  # see prepack_linear_weights
         self.bias = _parameter(self.output_size_per_partition, loader=self.weight_loader) if bias else None
 
     def weight_loader(self, param: Tensor, loaded: Any) -> None:
@@ -245,7 +283,7 @@ class RowParallelLinear(nn.Module):
         self.input_size_per_partition = _divide(input_size, tp_size, "input features")
         self.weight = _parameter(output_size, self.input_size_per_partition, loader=self.weight_loader)
         self.packed_weight: Tensor | None = None  # see prepack_linear_weights
-        self.gemm_weight: Tensor | tuple[Tensor, Tensor, bool] | None = None  # see prepack_linear_weights
+        self.gemm_weight: GemmWeight = None  # see prepack_linear_weights
         self.bias = _parameter(output_size) if bias else None
 
     def weight_loader(self, param: Tensor, loaded: Any) -> None:
@@ -295,12 +333,15 @@ class ParallelLMHead(VocabParallelEmbedding):
     (so tied embeddings share one weight). forward gathers the full [N, vocab] logits on every rank."""
 
     packed_weight: Tensor | None = None  # see prepack_linear_weights
-    gemm_weight: Tensor | tuple[Tensor, Tensor, bool] | None = None
+    gemm_weight: GemmWeight = None
 
     def forward(self, hidden: Tensor) -> Tensor:
         logits = linear(hidden, self.weight, None, self.packed_weight, self.gemm_weight)
         logits = _all_gather_last(logits, self.tp_size)
         return logits[..., : self.num_embeddings]
+
+
+_LINEARS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
 
 
 class RMSNorm(nn.Module):

@@ -104,7 +104,7 @@ class Worker:
         )
         self.dtype = next(self.model.parameters()).dtype
         if self.device.type == "cpu":
-            prepack_linear_weights(self.model)
+            prepack_linear_weights(self.model, exact=self._exact_model(model_path))
         self.max_threads = torch.get_num_threads()
         self.small_step_threads = self.max_threads  # see calibrate_threads
         # served, the cores reserved for the HTTP stack join in prefill steps (see _size_threads)
@@ -115,6 +115,20 @@ class Worker:
         self.pool: KVPool | None = None
         self.block_size = 0
         self.kv_groups: list[KVGroup] = kv_cache_groups(self.hf_config)
+
+    def _exact_model(self, model_path: str) -> torch.nn.Module | None:
+        """This rank's model in fp32, where a bf16 model on a CPU with AMX may keep its linears in
+        GGUF blocks (layers.prepack_linear_weights reads the block values from it, then it is
+        dropped): a checkpoint stored in fp32, such as the default model converted from its GGUF
+        file. Else None."""
+        declared = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+        if self.dtype != torch.bfloat16 or str(declared).removeprefix("torch.") != "float32":
+            return None
+        if not cpu_kernels.blocks_bf16_enabled() or cpu_kernels.gemm_enabled(torch.bfloat16):
+            return None
+        model, _ = load_model(model_path, dtype=torch.float32, device=self.device, tp_rank=self.tp_rank,
+                              tp_size=self.tp_size)  # fmt: skip
+        return model
 
     # ---- the KV pool ---------------------------------------------------------------------
 

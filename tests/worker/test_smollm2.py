@@ -94,3 +94,63 @@ def test_gguf_blocks_with_decode_helpers_match_transformers(smollm2_dir: Path) -
         for tokens, logits in checks:
             expected = reference(torch.tensor([tokens])).logits[0, -len(logits):]
             torch.testing.assert_close(logits, expected, atol=2e-4, rtol=0)
+
+
+def test_bf16_gguf_blocks_match_transformers_and_answer(smollm2_dir: Path, smollm2: tuple) -> None:
+    """As served in bf16 on a CPU with AMX: the worker reads the GGUF block values from an fp32
+    copy of the model and keeps them beside oneDNN's bf16 weights; decode steps of up to 4
+    sequences multiply by the exact weights (cpu_blocks_bf16.cpp), prefill by the bf16 ones. bf16
+    logits stay within bf16's error of transformers' fp32 ones, and the greedy answer is right."""
+    from pagedserve.kernels import cpu
+    from pagedserve.worker.layers import BF16_BLOCKS_MAX_ROWS, Bf16Blocks
+    from pagedserve.worker.worker import Worker
+
+    if not cpu.blocks_bf16_enabled() or cpu.gemm_enabled(torch.bfloat16):
+        pytest.skip("bf16 GGUF blocks serve CPUs with AVX512-BF16 and AMX")
+    worker = Worker(str(smollm2_dir), dtype="bfloat16")
+    linears = [m for m in worker.model.modules() if hasattr(m, "gemm_weight")]
+    assert linears and all(isinstance(m.gemm_weight, Bf16Blocks) for m in linears)
+    model, config = worker.model, worker.hf_config
+    prompts = [_chat_ids(smollm2_dir, q) for q in QUESTIONS]
+    assert len(prompts) <= BF16_BLOCKS_MAX_ROWS  # their decode steps take the blocks
+    reference = AutoModelForCausalLM.from_pretrained(smollm2_dir, local_files_only=True).eval()
+    blocks = {m: m.gemm_weight for m in linears}
+
+    def decode_errors() -> list[float]:  # mean |logit - fp32 transformers'| of each decode step
+        pool = KVPool.for_model(config, num_blocks=32, block_size=16, dtype=torch.bfloat16)
+        checks = prefill_then_decode(model, pool.kv_caches, prompts, 16, 32, decode_steps=3)
+        errors = []
+        with torch.no_grad():
+            for tokens, logits in checks:
+                expected = reference(torch.tensor([tokens])).logits[0, -len(logits):]
+                err = (logits.float() - expected).abs()
+                assert err.max() < 1.5  # bf16's error: a prefill's logits differ by up to ~1.2
+                if len(logits) == 1:
+                    errors.append(float(err.mean()))
+        return errors
+
+    with_blocks = decode_errors()
+    for m in linears:
+        m.gemm_weight = None  # every step on oneDNN's bf16 weights
+    try:
+        without = decode_errors()
+    finally:
+        for m in linears:
+            m.gemm_weight = blocks[m]
+    # the exact weights are no further from fp32 than their bf16 roundings (measured 0.112 / 0.134)
+    assert len(with_blocks) == len(without) > 0
+    assert sum(with_blocks) / len(with_blocks) < 0.2
+    assert sum(with_blocks) <= 1.25 * sum(without)
+    # the first question's greedy answer, one decode row a step (the blocks)
+    tokenizer = load_tokenizer(smollm2_dir)
+    pool = KVPool.for_model(config, num_blocks=8, block_size=16, dtype=torch.bfloat16)
+    seqs = PagedSequences(1, len(prompts[0]) + 12, 16, 8)
+    chunk, answer = prompts[0], []
+    for _ in range(12):
+        ids, positions, meta = seqs.step({0: chunk})
+        token = int(model.compute_logits(model(ids, positions, meta, pool.kv_caches)[-1:]).argmax())
+        if token == tokenizer.eos_token_id:
+            break
+        answer.append(token)
+        chunk = [token]
+    assert "Paris" in tokenizer.decode(answer)
