@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from pagedserve.kernels import argmax_rows
+
 # Below this temperature a row is greedy (vLLM's _SAMPLING_EPS): dividing by it would overflow.
 SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit and vLLM's default --max-logprobs
@@ -663,7 +665,7 @@ class Sampler:
             apply_penalties(apply_min_tokens(work, batch), batch)
         # Sampled rows overwrite their entries below; the argmax over all rows costs one pass.
         if batch.has_greedy:
-            tokens = work.argmax(dim=-1)
+            tokens = argmax_rows(work)
         else:
             tokens = torch.empty(batch.num_rows, dtype=torch.int64, device=logits.device)
         rnd = batch.random

@@ -702,6 +702,7 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
 void rotary_neox(const at::Tensor& positions, at::Tensor& query, at::Tensor& key, const at::Tensor& cos_sin_cache,
                  int64_t head_dim);
 at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor argmax_rows(const at::Tensor& x);
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
               const at::Tensor& slot_mapping);
 // cpu_gemm.cpp
@@ -730,6 +731,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place");
   m.def("rotary_neox", &rotary_neox, "NeoX rotary embedding of query and key, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :d]) * x[:, d:]");
+  m.def("argmax_rows", &argmax_rows, "each fp32 row's argmax, as torch.argmax(dim=-1)");
   m.def("write_kv", &write_kv, "store K/V rows at their slots of the paged pools");
   m.def("prefill_bf16_available", &prefill_bf16_available, "whether the AVX512-BF16 prefill attention was built");
   m.def("paged_prefill", &paged_prefill, "one sequence's prefill chunk attending to its paged KV (bf16)");

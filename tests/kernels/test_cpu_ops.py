@@ -131,3 +131,29 @@ def test_fused_ops_follow_the_backend_and_the_switch(monkeypatch) -> None:
         assert kernels.fused_ops(x) is None
     monkeypatch.setenv("PAGEDSERVE_CPU_FUSED", "0")
     assert kernels.fused_ops(x) is None
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 49152, 49155])
+def test_argmax_rows_equals_torch_argmax(vocab) -> None:
+    """argmax_rows against torch.argmax (the oracle): random rows, ties (the first index wins),
+    rows of -inf only, NaN (the first NaN wins, as torch takes NaN for the largest), +inf, rows
+    read with a stride (a view of wider logits), every tail length past whole vectors."""
+    torch.manual_seed(vocab)
+    x = torch.randn(12, vocab + 3)[:, :vocab]  # rows strided
+    assert x.stride(0) == vocab + 3
+    x[1] = -float("inf")
+    x[2, vocab // 2 :] = x[2].max() + 1  # a tie over the second half: its first index
+    x[3, vocab - 1] = float("nan")
+    x[4, vocab // 3] = float("nan")
+    x[4, vocab - 1] = float("nan")
+    x[5, vocab - 1] = float("inf")
+    x[6] = 0.0  # all equal: index 0
+    x[7] = torch.arange(vocab, dtype=torch.float32)  # the last
+    x[8, 0] = 1e30  # the first
+    got = kernels.argmax_rows(x)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, x.argmax(dim=-1))
+    # bf16 logits, or the torch backend: torch's own argmax
+    assert torch.equal(kernels.argmax_rows(x.bfloat16()), x.bfloat16().argmax(dim=-1))
+    with kernels.use_backend("torch"):
+        assert torch.equal(kernels.argmax_rows(x), x.argmax(dim=-1))
