@@ -29,6 +29,23 @@ def _chat_ids(folder: Path, question: str) -> list[int]:
                                          tokenize=True, return_dict=True)["input_ids"]
 
 
+def _greedy_answer(folder: Path, model: torch.nn.Module, config: object, dtype: torch.dtype) -> str:
+    """The model's greedy answer to the first question, up to 12 tokens, one sequence."""
+    tokenizer = load_tokenizer(folder)
+    prompt = _chat_ids(folder, QUESTIONS[0])
+    pool = KVPool.for_model(config, num_blocks=8, block_size=16, dtype=dtype)
+    seqs = PagedSequences(1, len(prompt) + 12, 16, 8)
+    chunk, answer = prompt, []
+    for _ in range(12):
+        ids, positions, meta = seqs.step({0: chunk})
+        token = int(model.compute_logits(model(ids, positions, meta, pool.kv_caches)[-1:]).argmax())
+        if token == tokenizer.eos_token_id:
+            break
+        answer.append(token)
+        chunk = [token]
+    return tokenizer.decode(answer)
+
+
 def test_default_model_is_converted_once(smollm2_dir: Path) -> None:
     start = time.perf_counter()
     assert resolve_model(None) == smollm2_dir
@@ -57,19 +74,7 @@ def test_greedy_answer_is_right(smollm2_dir: Path, smollm2: tuple) -> None:
     """An oracle independent of transformers' GGUF path: a mis-converted checkpoint (say, q/k
     rows left in llama.cpp's RoPE order) produces no such answer."""
     model, config = smollm2
-    tokenizer = load_tokenizer(smollm2_dir)
-    prompt = _chat_ids(smollm2_dir, QUESTIONS[0])
-    pool = KVPool.for_model(config, num_blocks=8, block_size=16, dtype=torch.float32)
-    seqs = PagedSequences(1, len(prompt) + 12, 16, 8)
-    chunk, answer = prompt, []
-    for _ in range(12):
-        ids, positions, meta = seqs.step({0: chunk})
-        token = int(model.compute_logits(model(ids, positions, meta, pool.kv_caches)[-1:]).argmax())
-        if token == tokenizer.eos_token_id:
-            break
-        answer.append(token)
-        chunk = [token]
-    assert "Paris" in tokenizer.decode(answer)
+    assert "Paris" in _greedy_answer(smollm2_dir, model, config, torch.float32)
 
 
 def test_gguf_blocks_with_decode_helpers_match_transformers(smollm2_dir: Path) -> None:
@@ -142,15 +147,4 @@ def test_bf16_gguf_blocks_match_transformers_and_answer(smollm2_dir: Path, smoll
     assert sum(with_blocks) / len(with_blocks) < 0.2
     assert sum(with_blocks) <= 1.25 * sum(without)
     # the first question's greedy answer, one decode row a step (the blocks)
-    tokenizer = load_tokenizer(smollm2_dir)
-    pool = KVPool.for_model(config, num_blocks=8, block_size=16, dtype=torch.bfloat16)
-    seqs = PagedSequences(1, len(prompts[0]) + 12, 16, 8)
-    chunk, answer = prompts[0], []
-    for _ in range(12):
-        ids, positions, meta = seqs.step({0: chunk})
-        token = int(model.compute_logits(model(ids, positions, meta, pool.kv_caches)[-1:]).argmax())
-        if token == tokenizer.eos_token_id:
-            break
-        answer.append(token)
-        chunk = [token]
-    assert "Paris" in tokenizer.decode(answer)
+    assert "Paris" in _greedy_answer(smollm2_dir, model, config, torch.bfloat16)
