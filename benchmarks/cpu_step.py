@@ -19,8 +19,10 @@ random places in pools larger than the caches), 16 sequences of 300 tokens each,
 first 512 are the same blocks in every table (a shared prompt prefix from the prefix cache): one
 thread reading shared blocks once for all sequences (the default) or once per sequence
 (PAGEDSERVE_CPU_SHARE_BLOCKS=0), and two threads (what a served decode step over that much KV
-runs its attention on: Worker._size_threads). Run with OMP_WAIT_POLICY=PASSIVE as the server
-does: ``make bench-step`` (about 3 minutes).
+runs its attention on: Worker._size_threads). Last, as served on 2+ cores (one torch thread, the
+decode pool's helpers on the other cores): decode steps with oneDNN's linears whole on the step's
+thread against split by output features over the pool (layers.split_onednn_weights). Run with
+OMP_WAIT_POLICY=PASSIVE as the server does: ``make bench-step`` (about 4 minutes).
 """
 
 from __future__ import annotations
@@ -178,7 +180,41 @@ def main() -> None:
                 cells.append(f"{name} {m * 1e3:.2f} ms ({m / base:.2f}x)")
                 summary[f"attention {case} {name}"] = round(m * 1e3, 2)
             print(f"  {case:<16} " + "; ".join(cells))
+    summary.update(time_onednn_split(w, args.steps, args.rounds, cores))
     print(json.dumps(summary))
+
+
+def time_onednn_split(w: Worker, steps: int, rounds: int, cores: int) -> dict[str, float]:
+    """Decode steps on one torch thread with cores - 1 pool helpers (served), oneDNN's linears
+    whole against split over the pool; {} where that does not apply (1 core, no extension)."""
+    if cores < 2 or not cpu_kernels.set_decode_pool(cores - 1):
+        return {}
+    w.max_threads = w.small_step_threads = 1
+    worker_module.SMALL_STEP_TOKENS = 8
+    if layers.split_onednn_weights(w.model, cores) == 0:
+        cpu_kernels.set_decode_pool(0)
+        return {}
+    split = {m: m.packed_weight for m in w.model.modules() if isinstance(getattr(m, "packed_weight", None),
+                                                                        layers.OnednnParts)}  # fmt: skip
+    variants = {"whole": {m: p.whole for m, p in split.items()}, "split": split}
+    times: dict[tuple[int, str], list[float]] = {}
+    for _ in range(rounds):
+        for name, weights in variants.items():
+            for m, p in weights.items():
+                m.packed_weight = p
+            for batch in (8, 16):
+                times.setdefault((batch, name), []).append(time_decode(w, batch, 300, steps))
+    cpu_kernels.set_decode_pool(0)
+    print(f"oneDNN linears as served (1 torch thread, {cores - 1} pool helper(s)): whole on the step's "
+          "thread against split over the pool")  # fmt: skip
+    out = {}
+    for batch in (8, 16):
+        whole, parts = (statistics.median(times[(batch, v)]) for v in variants)
+        ratio = parts / whole
+        print(f"  decode b{batch:<3} whole {whole * 1e3:.2f} ms, split {parts * 1e3:.2f} ms ({ratio:.2f}x)")
+        out[f"served decode b{batch} whole"], out[f"served decode b{batch} split"] = (
+            round(whole * 1e3, 2), round(parts * 1e3, 2))  # fmt: skip
+    return out
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ from pagedserve.kernels import reference
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_decode.cpp", "cpu_ops.cpp", "cpu_gemm.cpp",
-                                                            "cpu_prefill.cpp", "cpu_blocks_bf16.cpp"))
+                                                            "cpu_prefill.cpp", "cpu_blocks_bf16.cpp",
+                                                            "cpu_onednn_split.cpp"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_vec.h", "cpu_pool.h"))
 copy_blocks = reference.copy_blocks
 swap_blocks = reference.swap_blocks

@@ -719,6 +719,9 @@ int64_t decode_pool_helpers();
 bool blocks_bf16_available();
 at::Tensor linear_blocks_bf16(const at::Tensor& x, const at::Tensor& records, const c10::optional<at::Tensor>& bias,
                               int64_t N, bool q8);
+// cpu_onednn_split.cpp
+at::Tensor linear_onednn_split(const at::Tensor& x, const std::vector<at::Tensor>& parts,
+                               const std::vector<int64_t>& starts, const c10::optional<at::Tensor>& bias);
 // cpu_prefill.cpp
 bool prefill_bf16_available();
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -746,4 +749,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("blocks_bf16_available", &blocks_bf16_available, "whether the AVX512-BF16 GGUF-block kernel was built");
   m.def("linear_blocks_bf16", &linear_blocks_bf16, "x W^T + b for bf16 x of a few rows with W in GGUF Q4_1 / Q8_0 "
         "block records of 16-feature panels (AVX512-BF16)");
+  m.def("linear_onednn_split", &linear_onednn_split, "x W^T + b with W prepacked for oneDNN in parts of output "
+        "features [starts[i], starts[i + 1]), the parts on the decode pool's threads");
 }

@@ -99,17 +99,28 @@ class Bf16Blocks:
     q8: bool
 
 
+@dataclass(frozen=True)
+class OnednnParts:
+    """A weight prepacked for oneDNN whole and in parts of consecutive output features,
+    [starts[i], starts[i + 1]), for the decode pool's threads (cpu_onednn_split.cpp; see
+    split_onednn_weights)."""
+
+    parts: list[Tensor]
+    starts: list[int]
+    whole: Tensor
+
+
 # a linear layer's weight for cpu_gemm.cpp (dense panels; GGUF blocks: q, scales, is_q8) or
 # cpu_blocks_bf16.cpp, see prepack_linear_weights
 GemmWeight = Tensor | tuple[Tensor, Tensor, bool] | Bf16Blocks | None
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: Tensor | None = None,
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: Tensor | OnednnParts | None = None,
            gemm: GemmWeight = None) -> Tensor:  # fmt: skip
     """x W^T + b: through cpu_gemm.cpp's packed weight (`gemm`: dense panels for up to
     GEMM_MAX_ROWS rows, or GGUF blocks for any row count), or cpu_blocks_bf16.cpp's GGUF blocks for
-    up to BF16_BLOCKS_MAX_ROWS rows, else the weight prepacked for oneDNN (`packed`) when there is one (CPU),
-    else torch's linear."""
+    up to BF16_BLOCKS_MAX_ROWS rows, else the weight prepacked for oneDNN (`packed`: whole, or in
+    parts over the decode pool's threads) when there is one (CPU), else torch's linear."""
     if isinstance(gemm, Bf16Blocks):
         if x.numel() <= BF16_BLOCKS_MAX_ROWS * x.shape[-1]:
             from pagedserve.kernels import cpu
@@ -123,6 +134,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: Tensor | None
         from pagedserve.kernels import cpu
 
         return cpu.extension().linear_packed(x, gemm, bias, weight.shape[0])
+    if isinstance(packed, OnednnParts):
+        if x.numel() <= ONEDNN_SPLIT_MAX_ROWS * x.shape[-1] and torch.get_num_threads() == 1:
+            from pagedserve.kernels import cpu
+
+            return cpu.extension().linear_onednn_split(x, packed.parts, packed.starts, bias)
+        packed = packed.whole
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -188,6 +205,53 @@ def prepack_linear_weights(model: nn.Module, onednn_always: bool = False, gguf_b
     return count
 
 
+# Rows up to which a step on one torch thread runs split oneDNN weights over the decode pool (see
+# split_onednn_weights); steps of more rows (prefill chunks) keep the whole weight on the step's
+# threads, one or all as Worker.calibrate_prefill_threads measured (served on 2 cores, with the
+# parts on the pool for the one-thread side, that calibration measured the HTTP stack's startup
+# as much as the kernels: 78.7 against 73.0 ms there, 73.4 against 53.6 in the next start).
+ONEDNN_SPLIT_MAX_ROWS = 127
+
+# output features of a part of split_onednn_weights: a multiple of oneDNN's AMX / AVX-512 column
+# blocks, and layers narrower than two of them stay whole
+ONEDNN_PART_ALIGN = 32
+
+
+def split_onednn_weights(model: nn.Module, parts: int, max_bytes: int | None = None) -> int:
+    """Prepack every linear layer's whole oneDNN weight (prepack_linear_weights) once more, as
+    `parts` parts of consecutive output features (OnednnParts), for the decode pool's threads:
+    steps of up to ONEDNN_SPLIT_MAX_ROWS rows on one torch thread (decode; served, the other cores
+    are the HTTP stack's too) then multiply a part on the caller and one on each helper
+    (cpu_onednn_split.cpp). Other steps keep the whole weight on oneDNN's OpenMP threads: at 256
+    rows the parts one after the other ran 1.1-1.4x slower than the whole weight, and on the pool
+    beside an OpenMP team three threads share two cores. Results are the whole weight's to within
+    one rounding (oneDNN may pick another kernel for a narrower weight).
+
+    The parts are a second copy of the oneDNN weights: nothing is split where that copy would
+    take more than `max_bytes`. Returns the number of layers split."""
+    if parts < 2:
+        return 0
+    plans = []
+    for module in model.modules():
+        packed = getattr(module, "packed_weight", None)
+        if not isinstance(packed, Tensor):
+            continue
+        n = module.weight.shape[0]
+        step = -(-n // parts)
+        step = -(-step // ONEDNN_PART_ALIGN) * ONEDNN_PART_ALIGN
+        if step < n:
+            plans.append((module, [*range(0, n, step), n]))
+    copy = sum(m.weight.numel() * m.weight.element_size() for m, _ in plans)
+    if max_bytes is not None and copy > max_bytes:
+        return 0
+    for module, starts in plans:
+        weight = module.weight.detach()
+        parts_of = [weight[a:b].contiguous() for a, b in zip(starts, starts[1:])]
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in parts_of]
+        module.packed_weight = OnednnParts(packed, starts, module.packed_weight)
+    return len(plans)
+
+
 def _divide(n: int, d: int, what: str) -> int:
     if n % d:
         raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size ({d})")
@@ -204,7 +268,7 @@ class ColumnParallelLinear(nn.Module):
         self.tp_rank, self.tp_size, self.gather_output = tp_rank, tp_size, gather_output
         self.output_size_per_partition = _divide(output_size, tp_size, "output features")
         self.weight = _parameter(self.output_size_per_partition, input_size, loader=self.weight_loader)
-        self.packed_weight: Tensor | None = None  # see prepack_linear_weights
+        self.packed_weight: Tensor | OnednnParts | None = None  # see prepack_linear_weights
         self.gemm_weight: GemmWeight = None  # see prepack_linear_weights
         self.bias = _parameter(self.output_size_per_partition, loader=self.weight_loader) if bias else None
 
@@ -282,7 +346,7 @@ class RowParallelLinear(nn.Module):
         self.tp_rank, self.tp_size, self.reduce_results = tp_rank, tp_size, reduce_results
         self.input_size_per_partition = _divide(input_size, tp_size, "input features")
         self.weight = _parameter(output_size, self.input_size_per_partition, loader=self.weight_loader)
-        self.packed_weight: Tensor | None = None  # see prepack_linear_weights
+        self.packed_weight: Tensor | OnednnParts | None = None  # see prepack_linear_weights
         self.gemm_weight: GemmWeight = None  # see prepack_linear_weights
         self.bias = _parameter(output_size) if bias else None
 
@@ -332,7 +396,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection hidden -> vocabulary logits, vocabulary split like VocabParallelEmbedding
     (so tied embeddings share one weight). forward gathers the full [N, vocab] logits on every rank."""
 
-    packed_weight: Tensor | None = None  # see prepack_linear_weights
+    packed_weight: Tensor | OnednnParts | None = None  # see prepack_linear_weights
     gemm_weight: GemmWeight = None
 
     def forward(self, hidden: Tensor) -> Tensor:

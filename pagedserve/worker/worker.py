@@ -32,7 +32,12 @@ from pagedserve.sampling import (
 )
 from pagedserve.worker.kv_groups import KVGroup, kv_cache_groups, layer_slots
 from pagedserve.worker.kv_pool import KVPool, bytes_per_block, host_memory, num_kv_heads_per_rank
-from pagedserve.worker.layers import Attention, AttentionMetadata, prepack_linear_weights
+from pagedserve.worker.layers import (
+    Attention,
+    AttentionMetadata,
+    prepack_linear_weights,
+    split_onednn_weights,
+)
 from pagedserve.worker.loader import load_model
 from pagedserve.worker.models.llama import head_dim_of
 
@@ -53,6 +58,18 @@ PREFILL_GAIN = 0.85  # the most of max_threads' time a prefill on prefill_thread
 # 0: none) and how long they spin after a region before they sleep, in microseconds.
 DECODE_HELPERS = os.environ.get("PAGEDSERVE_CPU_DECODE_HELPERS")
 DECODE_POOL_SPIN_US = int(os.environ.get("PAGEDSERVE_CPU_DECODE_POOL_SPIN_US", "50"))
+# PAGEDSERVE_CPU_ONEDNN_SPLIT=1: where the pool has helpers, steps of few rows on one torch thread
+# run oneDNN's linears split by output features over its threads (layers.split_onednn_weights), if
+# that second copy of the weights takes at most ONEDNN_SPLIT_MEMORY of the host memory left. Off by
+# default: in process (2-vCPU Xeon VM with AMX, 2026-12-06, SmolLM2 bf16, the second core idle) it
+# took the 30 layers' linears at 16 rows from 19.3 to 10.8 ms and decode steps (make bench-step's
+# last table) at batch 8 from 35.7 to 23.8 ms, 16 from 40.6 to 31.0, but served on those 2 cores,
+# where the helper's core is the HTTP stack's
+# too (during c16 it was full: HTTP processes ~40%, the helper ~38%, prefill's OpenMP thread ~17%),
+# alternating runs gave c16 177.2 / 172.2 then 215.4 / 252.2 output tok/s with / without: no gain
+# beyond the VM's drift.
+ONEDNN_SPLIT = os.environ.get("PAGEDSERVE_CPU_ONEDNN_SPLIT", "0") == "1"
+ONEDNN_SPLIT_MEMORY = 0.25
 CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB: ~1,450 blocks of 16 tokens for SmolLM2-135M in fp32
 
 
@@ -220,8 +237,10 @@ class Worker:
         if self.prefill_threads <= self.max_threads and not DECODE_HELPERS:
             helpers = 0
         if helpers and cpu_kernels.set_decode_pool(helpers, DECODE_POOL_SPIN_US):
-            logger.info("decode steps' linears and attention take %d helper thread(s) beside the step's own",
-                        helpers)  # fmt: skip
+            room = int(host_memory()[0] * ONEDNN_SPLIT_MEMORY)
+            split = split_onednn_weights(self.model, helpers + 1, room) if ONEDNN_SPLIT else 0
+            logger.info("decode steps' linears and attention take %d helper thread(s) beside the step's own; "
+                        "%d oneDNN linear layers split over them", helpers, split)  # fmt: skip
             return helpers
         return 0
 

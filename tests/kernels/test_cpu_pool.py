@@ -3,7 +3,9 @@ helpers the kernels give the results of one thread bit for bit (oracle: the same
 helpers, and the float64 product / contiguous attention), over many calls in a row (the helpers
 race the caller for units); a caller whose helpers never run (a forked child has none of its
 parent's threads) still finishes every region, alone; and the worker starts helpers only served,
-where the replica has a core beyond its torch threads."""
+where the replica has a core beyond its torch threads, and then splits oneDNN's linears over the
+pool's threads (cpu_onednn_split.cpp), which give the whole weight's results bit for bit (oracle:
+oneDNN on the whole weight, and the float64 product)."""
 
 from __future__ import annotations
 
@@ -94,15 +96,120 @@ def test_a_caller_whose_helpers_never_run_finishes_alone(helpers) -> None:
 CASES = [(1, 2, None, 1), (1, 1, None, 0), (2, 4, None, 3), (1, 2, "0", 0), (1, 1, "2", 2)]
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize(("threads", "prefill", "env", "expected"), CASES)
-def test_the_worker_starts_helpers_only_on_reserved_cores(monkeypatch, threads, prefill, env, expected):
+def test_the_worker_starts_helpers_only_on_reserved_cores(monkeypatch, threads, prefill, env, expected,
+                                                          split) -> None:  # fmt: skip
+    """And splits oneDNN's weights over them where PAGEDSERVE_CPU_ONEDNN_SPLIT=1 (ONEDNN_SPLIT)."""
     from pagedserve.worker import worker as worker_mod
 
     calls = []
     monkeypatch.setattr(worker_mod, "DECODE_HELPERS", env)
+    monkeypatch.setattr(worker_mod, "ONEDNN_SPLIT", split)
     monkeypatch.setattr(worker_mod.cpu_kernels, "set_decode_pool", lambda n, spin: calls.append(n) or True)
+    splits = []
+    monkeypatch.setattr(worker_mod, "split_onednn_weights",
+                        lambda model, parts, room: splits.append(parts) or 0)  # fmt: skip
     w = worker_mod.Worker.__new__(worker_mod.Worker)
-    w.max_threads, w.prefill_threads = threads, prefill
+    w.max_threads, w.prefill_threads, w.model = threads, prefill, None
     assert w.configure_decode_pool() == expected
     assert calls == ([expected] if expected else [])
+    assert splits == ([expected + 1] if expected and split else [])  # a part for the caller, one a helper
+
+
+@pytest.fixture
+def one_thread():
+    """A step on one torch thread (decode, served), where split weights take the pool."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _onednn_layer(n: int, k: int, dtype: torch.dtype, bias: bool = True):
+    from pagedserve.worker import layers
+
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("no oneDNN bf16 on this CPU")
+    lin = layers.ColumnParallelLinear(k, n, bias=bias).to(dtype)
+    lin.weight.data.normal_(0, 0.05)
+    if bias:
+        lin.bias.data.normal_()
+    lin.packed_weight = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach())
+    return lin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("count", [1, 3])
+@torch.inference_mode()
+def test_onednn_linears_split_over_the_pool_equal_the_parts_on_one_thread(helpers, one_thread, monkeypatch,
+                                                                          dtype, count) -> None:  # fmt: skip
+    """count helpers, count + 1 parts. Whichever thread runs a part, the result is the one the
+    caller alone gives bit for bit; against the whole weight, oneDNN may pick another kernel for a
+    narrower part (its sums in another order): within one rounding of the output there. Steps on
+    more torch threads, or of more rows, keep the whole weight."""
+    from pagedserve.worker import layers
+
+    torch.manual_seed(count)
+    lin = _onednn_layer(1000, 576, dtype)
+    xs = [torch.randn(rows, 576, dtype=dtype) for rows in (1, 5, 16, layers.ONEDNN_SPLIT_MAX_ROWS)]
+    xs.append(torch.randn(3, 7, 576, dtype=dtype))
+    longer = torch.randn(layers.ONEDNN_SPLIT_MAX_ROWS + 1, 576, dtype=dtype)  # a prefill chunk: whole
+    whole = [lin(x) for x in xs]
+    longer_whole = lin(longer)
+    assert layers.split_onednn_weights(lin, count + 1) == 1
+    parts = lin.packed_weight
+    assert isinstance(parts, layers.OnednnParts) and len(parts.parts) == count + 1
+    assert parts.starts[0] == 0 and parts.starts[-1] == 1000
+    bounds = list(zip(parts.starts, parts.starts[1:]))
+    assert all(b - a > 0 and a % layers.ONEDNN_PART_ALIGN == 0 for a, b in bounds)
+    calls = []
+    split = ext.linear_onednn_split
+    monkeypatch.setattr(ext, "linear_onednn_split", lambda *args: calls.append(args[0].shape) or split(*args))
+    alone = [lin(x) for x in xs]  # no helpers yet: the parts one after the other on the caller
+    assert calls == [x.shape for x in xs]
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 1e-5
+    for got, expected in zip(alone, whole):
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=ulp)
+    helpers(count)
+    for _ in range(10):  # many regions in a row: parts change hands between the threads
+        for x, expected in zip(xs, alone):
+            assert torch.equal(lin(x), expected), x.shape
+    exact = xs[2].double() @ lin.weight.double().T + lin.bias.double()
+    atol = 0.05 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(alone[2].double(), exact, atol=atol, rtol=0.02)
+    calls.clear()
+    assert torch.equal(lin(longer), longer_whole)
+    torch.set_num_threads(2)
+    for x, expected in zip(xs, whole):
+        assert torch.equal(lin(x), expected), x.shape
+    assert calls == []  # those took the whole weight
+
+
+def test_split_onednn_weights_keeps_narrow_layers_whole_and_rejects_bad_inputs(helpers) -> None:
+    from pagedserve.worker import layers
+
+    narrow = _onednn_layer(layers.ONEDNN_PART_ALIGN, 64, torch.float32)
+    wide = _onednn_layer(96, 64, torch.float32)
+    model = torch.nn.ModuleList([narrow, wide, torch.nn.Linear(4, 4)])
+    assert layers.split_onednn_weights(model, 2, max_bytes=96 * 64 * 4 - 1) == 0  # no room for a copy
+    assert isinstance(wide.packed_weight, torch.Tensor)
+    assert layers.split_onednn_weights(model, 2, max_bytes=96 * 64 * 4) == 1
+    assert isinstance(narrow.packed_weight, torch.Tensor)  # one part would be all of it
+    assert wide.packed_weight.starts == [0, 64, 96]
+    helpers(1)
+    parts = wide.packed_weight.parts
+    with pytest.raises(RuntimeError, match="part 0 is not"):
+        ext.linear_onednn_split(torch.randn(2, 65), parts, [0, 64, 96], None)  # K
+    with pytest.raises(RuntimeError, match="part 0 is not"):
+        ext.linear_onednn_split(torch.randn(2, 64, dtype=torch.float64), parts, [0, 64, 96], None)  # dtype
+    with pytest.raises(RuntimeError, match="one start per part"):
+        ext.linear_onednn_split(torch.randn(2, 64), parts, [0, 96], None)
+    with pytest.raises(RuntimeError, match="bias"):
+        ext.linear_onednn_split(torch.randn(2, 64), parts, [0, 64, 96], torch.randn(95))
+    x = torch.randn(4, 64)
+    assert torch.equal(ext.linear_onednn_split(x, parts, [0, 64, 96], wide.bias.detach()),
+                       torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(
+                           wide.weight.detach()), wide.bias.detach(), "none", [], ""))  # fmt: skip
 

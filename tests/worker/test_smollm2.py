@@ -148,3 +148,43 @@ def test_bf16_gguf_blocks_match_transformers_and_answer(smollm2_dir: Path, smoll
     assert sum(with_blocks) <= 1.25 * sum(without)
     # the first question's greedy answer, one decode row a step (the blocks)
     assert "Paris" in _greedy_answer(smollm2_dir, model, config, torch.bfloat16)
+
+
+def test_bf16_decode_on_onednn_weights_split_over_the_pool_matches_transformers(smollm2_dir: Path) -> None:
+    """As served on 2 cores in bf16: decode steps on one torch thread multiply oneDNN's weights
+    split by output features, one part on the step's thread and one on the decode pool's helper
+    (layers.split_onednn_weights). Logits stay within bf16's error of transformers' fp32 ones and
+    within a rounding or two of the whole weights', and the greedy answer is right."""
+    from pagedserve.kernels import cpu
+    from pagedserve.worker.layers import OnednnParts, prepack_linear_weights, split_onednn_weights
+
+    if cpu.extension() is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("no C++ extension or no oneDNN bf16 here")
+    model, config = load_model(smollm2_dir, dtype="bfloat16", device="cpu")
+    prepack_linear_weights(model, gguf_blocks=False)  # oneDNN's weights at every row count
+    prompts = [_chat_ids(smollm2_dir, q) for q in QUESTIONS]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+
+    def run() -> list[tuple[list[int], torch.Tensor]]:
+        pool = KVPool.for_model(config, num_blocks=32, block_size=16, dtype=torch.bfloat16)
+        return prefill_then_decode(model, pool.kv_caches, prompts, 16, 32, decode_steps=3)
+
+    try:
+        whole = run()
+        assert split_onednn_weights(model, 2) == 4 * config.num_hidden_layers + 1  # and the LM head
+        linears = [m for m in model.modules() if hasattr(m, "packed_weight")]
+        assert all(isinstance(m.packed_weight, OnednnParts) for m in linears)
+        assert cpu.set_decode_pool(1)
+        split = run()
+        answer = _greedy_answer(smollm2_dir, model, config, torch.bfloat16)
+    finally:
+        cpu.set_decode_pool(0)
+        torch.set_num_threads(before)
+    reference = AutoModelForCausalLM.from_pretrained(smollm2_dir, local_files_only=True).eval()
+    with torch.no_grad():
+        for (tokens, logits), (_, whole_logits) in zip(split, whole):
+            expected = reference(torch.tensor([tokens])).logits[0, -len(logits):]
+            assert (logits.float() - expected).abs().max() < 1.5  # bf16's error, as the test above
+            torch.testing.assert_close(logits, whole_logits, atol=0.1, rtol=0.02)
+    assert "Paris" in answer
