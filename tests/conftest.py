@@ -122,3 +122,13 @@ def tiny_engine_qwen3(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Pat
 def tiny_engine_gemma3(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     """The tiny Gemma 3 (4 heads, 1 KV head, sliding window 16) with SmolLM2's tokenizer."""
     return save_tiny_engine_model(tmp_path_factory.mktemp("tiny_gemma3"), smollm2_dir, "gemma3")
+
+
+@pytest.fixture
+def torch_threads() -> Iterator:
+    """torch.set_num_threads for one test; the count it found is set back afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)

@@ -336,8 +336,8 @@ class Worker:
         torch.set_num_threads(before)
         self.prefill_threads = wide if best[wide] <= PREFILL_GAIN * best[base] else base
         took = ", ".join(f"{1e3 * t:.1f} ms on {k}" for k, t in best.items())
-        logger.info("prefill steps run on %d thread(s): a %d-token prefill took at best %s",
-                    self.prefill_threads, tokens, took)  # fmt: skip
+        logger.info("prefill steps run on %d thread(s): a %d-token prefill took at best %s (round %d)",
+                    self.prefill_threads, tokens, took, attempt + 1)  # fmt: skip
         return self.prefill_threads
 
     # ---- one step ------------------------------------------------------------------------

@@ -118,12 +118,9 @@ def test_the_worker_starts_helpers_only_on_reserved_cores(monkeypatch, threads, 
 
 
 @pytest.fixture
-def one_thread():
+def one_thread(torch_threads) -> None:
     """A step on one torch thread (decode, served), where split weights take the pool."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    torch_threads(1)
 
 
 def _onednn_layer(n: int, k: int, dtype: torch.dtype, bias: bool = True):

@@ -21,11 +21,8 @@ from pagedserve.worker.worker import (
 
 
 @pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+def two_threads(torch_threads) -> None:
+    torch_threads(2)
 
 
 def _fake_clock(monkeypatch, slow_threads: int) -> None:
