@@ -9,7 +9,10 @@
 // not got its core takes nothing (the caller runs every part), so the split never waits for one.
 // Measured there, one helper: 30 layers at 16 rows 19.3 -> 10.8 ms; 256 rows 33 ms against 32
 // for the whole weight on two OpenMP threads; the parts run one after the other (no helper) cost
-// 10-40% more than the whole weight, so the split is made only where the pool has helpers.
+// 10-40% more than the whole weight, so the split is made only where the pool has helpers, and
+// only for steps of few rows on one torch thread (layers.linear). Opt-in
+// (PAGEDSERVE_CPU_ONEDNN_SPLIT=1): served on those 2 vCPUs the helper's core had no time to spare
+// and c16 gained nothing beyond the VM's drift (worker.py's ONEDNN_SPLIT).
 //
 // Results do not depend on which thread runs a part. Against the whole weight they may differ in
 // the last bit where oneDNN picks another kernel for a narrower weight (its sums over K then run in

@@ -207,9 +207,9 @@ def prepack_linear_weights(model: nn.Module, onednn_always: bool = False, gguf_b
 
 # Rows up to which a step on one torch thread runs split oneDNN weights over the decode pool (see
 # split_onednn_weights); steps of more rows (prefill chunks) keep the whole weight on the step's
-# threads, one or all as Worker.calibrate_prefill_threads measured (served on 2 cores, with the
-# parts on the pool for the one-thread side, that calibration measured the HTTP stack's startup
-# as much as the kernels: 78.7 against 73.0 ms there, 73.4 against 53.6 in the next start).
+# threads, one or all as Worker.calibrate_prefill_threads measured (with the parts on the pool for
+# its one-thread side, served on 2 cores, that calibration measured Serve's startup on the other
+# core as much as the kernels: 78.7 against 73.0 ms in one start, 97.3 against 89.4 in another).
 ONEDNN_SPLIT_MAX_ROWS = 127
 
 # output features of a part of split_onednn_weights: a multiple of oneDNN's AMX / AVX-512 column

@@ -70,10 +70,9 @@ DECODE_POOL_SPIN_US = int(os.environ.get("PAGEDSERVE_CPU_DECODE_POOL_SPIN_US", "
 # default: in process (2-vCPU Xeon VM with AMX, 2026-12-06, SmolLM2 bf16, the second core idle) it
 # took the 30 layers' linears at 16 rows from 19.3 to 10.8 ms and decode steps (make bench-step's
 # last table) at batch 8 from 35.7 to 23.8 ms, 16 from 40.6 to 31.0, but served on those 2 cores,
-# where the helper's core is the HTTP stack's
-# too (during c16 it was full: HTTP processes ~40%, the helper ~38%, prefill's OpenMP thread ~17%),
-# alternating runs gave c16 177.2 / 172.2 then 215.4 / 252.2 output tok/s with / without: no gain
-# beyond the VM's drift.
+# where the helper's core is the HTTP stack's too (during c16 it was full: HTTP processes ~40%, the
+# helper ~38%, prefill's OpenMP thread ~17%), alternating runs gave c16 177.2 / 172.2 then 215.4 /
+# 252.2 output tok/s with / without: no gain beyond the VM's drift.
 ONEDNN_SPLIT = os.environ.get("PAGEDSERVE_CPU_ONEDNN_SPLIT", "0") == "1"
 ONEDNN_SPLIT_MEMORY = 0.25
 CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB: ~1,450 blocks of 16 tokens for SmolLM2-135M in fp32
