@@ -242,8 +242,10 @@ class Worker:
         if self.prefill_threads <= self.max_threads and not DECODE_HELPERS:
             helpers = 0
         if helpers and cpu_kernels.set_decode_pool(helpers, DECODE_POOL_SPIN_US):
-            room = int(host_memory()[0] * ONEDNN_SPLIT_MEMORY)
-            split = split_onednn_weights(self.model, helpers + 1, room) if ONEDNN_SPLIT else 0
+            split = 0
+            if ONEDNN_SPLIT:  # a second copy of the weights, in at most a share of the memory left
+                room = int(host_memory()[0] * ONEDNN_SPLIT_MEMORY)
+                split = split_onednn_weights(self.model, helpers + 1, room)
             logger.info("decode steps' linears and attention take %d helper thread(s) beside the step's own; "
                         "%d oneDNN linear layers split over them", helpers, split)  # fmt: skip
             return helpers
@@ -330,10 +332,11 @@ class Worker:
             samples = _sample_times((base, wide), repeats, lambda: self.model(ids, meta.positions, meta.attn,
                                                                                pool.kv_caches))  # fmt: skip
             best = {k: min(v) for k, v in samples.items()}
-            if best[wide] <= PREFILL_GAIN * best[base] or best[base] < PREFILL_CALIBRATE_RETRY_S:
+            wide_wins = best[wide] <= PREFILL_GAIN * best[base]
+            if wide_wins or best[base] < PREFILL_CALIBRATE_RETRY_S:
                 break
         torch.set_num_threads(before)
-        self.prefill_threads = wide if best[wide] <= PREFILL_GAIN * best[base] else base
+        self.prefill_threads = wide if wide_wins else base
         took = ", ".join(f"{1e3 * t:.1f} ms on {k}" for k, t in best.items())
         logger.info("prefill steps run on %d thread(s): a %d-token prefill took at best %s (round %d)",
                     self.prefill_threads, tokens, took, attempt + 1)  # fmt: skip

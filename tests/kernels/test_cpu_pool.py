@@ -3,8 +3,9 @@ helpers the kernels give the results of one thread bit for bit (oracle: the same
 helpers, and the float64 product / contiguous attention), over many calls in a row (the helpers
 race the caller for units); a caller whose helpers never run (a forked child has none of its
 parent's threads) still finishes every region, alone; and the worker starts helpers only served,
-where the replica has a core beyond its torch threads, and then splits oneDNN's linears over the
-pool's threads (cpu_onednn_split.cpp), which give the whole weight's results bit for bit (oracle:
+where the replica has a core beyond its torch threads, and (where switched on) splits oneDNN's
+linears over the pool's threads (cpu_onednn_split.cpp), which give the parts' results on one thread
+bit for bit and the whole weight's within one rounding (oracles: the parts on the caller alone,
 oneDNN on the whole weight, and the float64 product)."""
 
 from __future__ import annotations

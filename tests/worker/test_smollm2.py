@@ -150,7 +150,8 @@ def test_bf16_gguf_blocks_match_transformers_and_answer(smollm2_dir: Path, smoll
     assert "Paris" in _greedy_answer(smollm2_dir, model, config, torch.bfloat16)
 
 
-def test_bf16_decode_on_onednn_weights_split_over_the_pool_matches_transformers(smollm2_dir: Path) -> None:
+def test_bf16_decode_on_onednn_weights_split_over_the_pool_matches_transformers(
+        smollm2_dir: Path, torch_threads) -> None:  # fmt: skip
     """As served on 2 cores in bf16: decode steps on one torch thread multiply oneDNN's weights
     split by output features, one part on the step's thread and one on the decode pool's helper
     (layers.split_onednn_weights). Logits stay within bf16's error of transformers' fp32 ones and
@@ -163,8 +164,7 @@ def test_bf16_decode_on_onednn_weights_split_over_the_pool_matches_transformers(
     model, config = load_model(smollm2_dir, dtype="bfloat16", device="cpu")
     prepack_linear_weights(model, gguf_blocks=False)  # oneDNN's weights at every row count
     prompts = [_chat_ids(smollm2_dir, q) for q in QUESTIONS]
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch_threads(1)
 
     def run() -> list[tuple[list[int], torch.Tensor]]:
         pool = KVPool.for_model(config, num_blocks=32, block_size=16, dtype=torch.bfloat16)
@@ -180,7 +180,6 @@ def test_bf16_decode_on_onednn_weights_split_over_the_pool_matches_transformers(
         answer = _greedy_answer(smollm2_dir, model, config, torch.bfloat16)
     finally:
         cpu.set_decode_pool(0)
-        torch.set_num_threads(before)
     reference = AutoModelForCausalLM.from_pretrained(smollm2_dir, local_files_only=True).eval()
     with torch.no_grad():
         for (tokens, logits), (_, whole_logits) in zip(split, whole):
