@@ -204,12 +204,14 @@ def test_drain_sends_new_requests_to_the_other_replica(admin: httpx2.Client, cli
         assert reply.status_code == 200 and reply.json() == {"replica_id": drained, "draining": True}
         assert wait_until(lambda: replicas(admin)[drained]["draining"], "the drain mark")
         before = replicas(admin)
-        for _ in range(6):  # distinct prompts: pow2 would spread them over both replicas
-            client.completions.create(model=server.model, prompt=prompt_of(2), max_tokens=4)
+        # distinct prompts: pow2 would spread them over both replicas. A reply may end at EOS
+        # before max_tokens, so its usage, not 6 * 4, is what the other replica must have counted.
+        generated = sum(client.completions.create(model=server.model, prompt=prompt_of(2), max_tokens=4)
+                        .usage.completion_tokens for _ in range(6))  # fmt: skip
         queries = served(admin, before, "prefix_cache_queries")
         assert queries[drained] == 0 and served(admin, before, "generation_tokens")[drained] == 0, queries
-        assert wait_until(lambda: served(admin, before, "generation_tokens")[other] >= 6 * 4 or None,
-                          "the other replica's tokens")  # fmt: skip
+        assert wait_until(lambda: served(admin, before, "generation_tokens")[other] >= generated or None,
+                          f"the other replica's {generated} tokens")  # fmt: skip
         # with every replica draining a request is refused, not left waiting
         admin.post(f"/admin/api/replicas/{other}/drain")
         assert replicas(admin)[other]["drain_requested"]  # at once; the replica hears it next
