@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -79,7 +80,8 @@ def iomp() -> str:
     return str(found[0]) if found else ""
 
 
-def server_command(kind: str, model: Path, dtype: str, port: int) -> tuple[list[str], dict[str, str]]:
+def server_command(kind: str, model: Path, dtype: str, port: int,
+                   extra: tuple[str, ...] = ()) -> tuple[list[str], dict[str, str]]:  # fmt: skip
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     if kind == "vllm":
         preload = ":".join(p for p in (TCMALLOC if Path(TCMALLOC).exists() else "", iomp()) if p)
@@ -93,7 +95,7 @@ def server_command(kind: str, model: Path, dtype: str, port: int) -> tuple[list[
         env.setdefault("PAGEDSERVE_CPU_ENGINE_NICE", "-10")
         cmd = [str(OUR_BIN / "pagedserve"), "serve", str(model), "--dtype", dtype, "--max-model-len",
                str(MAX_MODEL_LEN), "--kv-cache-memory", f"{KV_GIB}GiB", "--port", str(port),
-               "--served-model-name", SERVED_NAME]  # fmt: skip
+               "--served-model-name", SERVED_NAME, *extra]  # fmt: skip
     return cmd, env
 
 
@@ -135,11 +137,11 @@ def bench(port: int, model: Path, workload: str, seed: int, out_dir: Path, name:
 
 
 def run_server(kind: str, model: Path, dtype: str, workloads: list[str], out_dir: Path,
-               seed_base: int) -> dict[str, dict]:  # fmt: skip
+               seed_base: int, extra: tuple[str, ...] = ()) -> dict[str, dict]:  # fmt: skip
     """Start one server, run the workloads (seed_base + the workload's index: both servers get
     the same prompts), stop it."""
     port = free_port()
-    cmd, env = server_command(kind, model, dtype, port)
+    cmd, env = server_command(kind, model, dtype, port, extra)
     log = out_dir / f"server-{kind}-{dtype}.log"
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
@@ -188,6 +190,8 @@ def main() -> None:
     servers = ["vllm", "pagedserve"]
     parser.add_argument("--servers", nargs="+", default=servers, choices=servers)
     parser.add_argument("--out", type=Path, default=ROOT / ".bench-peers")
+    parser.add_argument("--pagedserve-args", default="",
+                        help="more flags of `pagedserve serve`, one string (an A/B run of an option)")
     args = parser.parse_args()
     if "vllm" in args.servers and not (PEERS_BIN / "vllm").exists():
         sys.exit("benchmarks/peers.py: .venv-peers has no vllm; run `make bench-peers`")
@@ -200,7 +204,8 @@ def main() -> None:
     for dtype in args.dtypes:
         for kind in args.servers:
             print(f"{kind} {dtype}: starting", flush=True)
-            for w, r in run_server(kind, model, dtype, args.workloads, args.out, seed).items():
+            extra = tuple(shlex.split(args.pagedserve_args)) if kind == "pagedserve" else ()
+            for w, r in run_server(kind, model, dtype, args.workloads, args.out, seed, extra).items():
                 results.setdefault((dtype, w), {})[kind] = r
         seed += 10
     ratios = report(results, flags)
