@@ -170,7 +170,10 @@ def report(results: dict, flags: dict[str, bool]) -> dict[str, float]:
     print(f"{'workload':<8}{'dtype':<6}{'metric':<11}{'vLLM':>10}{'pagedserve':>12}{'ratio':>8}")
     ratios: dict[str, float] = {}
     for (dtype, w), pair in sorted(results.items()):
-        if "vllm" not in pair or "pagedserve" not in pair:
+        if "vllm" not in pair or "pagedserve" not in pair:  # one server alone (--servers): its figures
+            for key, label in FIELDS:
+                theirs, ours = (f"{pair[k][key]:.2f}" if k in pair else "-" for k in ("vllm", "pagedserve"))
+                print(f"{w:<8}{SHORT_DTYPE[dtype]:<6}{label:<11}{theirs:>10}{ours:>12}{'-':>8}")
             continue
         for key, label in FIELDS:
             theirs, ours = pair["vllm"][key], pair["pagedserve"][key]
@@ -191,7 +194,7 @@ def main() -> None:
     parser.add_argument("--servers", nargs="+", default=servers, choices=servers)
     parser.add_argument("--out", type=Path, default=ROOT / ".bench-peers")
     parser.add_argument("--pagedserve-args", default="",
-                        help="more flags of `pagedserve serve`, one string (an A/B run of an option)")
+                        help="more flags of `pagedserve serve` in one string (an A/B run)")  # fmt: skip
     args = parser.parse_args()
     if "vllm" in args.servers and not (PEERS_BIN / "vllm").exists():
         sys.exit("benchmarks/peers.py: .venv-peers has no vllm; run `make bench-peers`")
