@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--proxy-location", choices=PROXY_LOCATIONS, default=None,
-        help="where Ray Serve runs HTTP proxies (default EveryNode; HeadOnly for several raylets on one box)",
+        help="where Ray Serve answers HTTP: Direct (default on the private Ray: the ingress replica itself, "
+        "no proxy hop), EveryNode (default with --address), HeadOnly (several raylets on one box)",
     )
     serve.add_argument(
         "--replica-resources",
@@ -184,9 +185,10 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     """The ServeConfig of parsed ``serve`` flags; flags left out take the dataclasses' defaults."""
     from pagedserve.router.app import serve_config_from_flags
 
-    return serve_config_from_flags(
-        {k: v for k, v in vars(args).items() if k not in SERVE_ONLY and v is not None}
-    )
+    flags = {k: v for k, v in vars(args).items() if k not in SERVE_ONLY and v is not None}
+    if "proxy_location" not in flags and flags.get("address") is None:
+        flags["proxy_location"] = "Direct"  # our own Ray: the ingress replica serves HTTP itself
+    return serve_config_from_flags(flags)
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -221,6 +223,10 @@ def serve_main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     temp_dir = None
     try:
+        if config.address is None:  # our private Ray: its processes inherit this environment
+            from pagedserve.router.app import direct_ingress_env
+
+            os.environ.update(direct_ingress_env(config))
         temp_dir = init_ray(config.address)
         signal.signal(signal.SIGTERM, _interrupt)  # after ray.init, which may install its own
         deploy(config)

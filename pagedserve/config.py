@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 PREEMPTION_MODES = ("recompute", "swap")
-PROXY_LOCATIONS = ("EveryNode", "HeadOnly", "Disabled")
+PROXY_LOCATIONS = ("EveryNode", "HeadOnly", "Disabled", "Direct")
 ROUTING_POLICIES = ("prefix", "pow2", "round_robin")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -171,7 +171,9 @@ class ServeConfig:
     # then go only to nodes started with that resource (one per node with a count of 1)
     replica_resources: dict[str, float] | None = None
     # where Serve runs HTTP proxies: "EveryNode" (Serve's default), "HeadOnly" (one box with
-    # several raylets: their proxies would share the port), "Disabled"
+    # several raylets: their proxies would share the port), "Disabled", or "Direct": the ingress
+    # replica serves HTTP itself (no proxy hop), on a private Ray only (app.direct_ingress_env;
+    # `pagedserve serve`'s default without --address)
     proxy_location: str = "EveryNode"
     address: str | None = None  # RAY_ADDRESS to join; None starts a private local Ray
     max_waiting_requests: int = 256  # per replica; past it, 503 with Retry-After
@@ -192,6 +194,9 @@ class ServeConfig:
         _require(self.num_replicas >= 1, "--num-replicas must be >= 1")
         _require(self.routing in ROUTING_POLICIES, f"--routing must be one of {ROUTING_POLICIES}")
         _require(self.proxy_location in PROXY_LOCATIONS, f"--proxy-location must be one of {PROXY_LOCATIONS}")
+        _require(self.proxy_location != "Direct" or self.address is None,
+                 "--proxy-location Direct needs the private Ray of `pagedserve serve` (no --address): Serve "
+                 "reads its direct-ingress settings as each Ray process starts")  # fmt: skip
         _require(self.max_waiting_requests >= 1, "--max-waiting-requests must be >= 1")
         _require(self.max_body_bytes >= 1024, "--max-body-bytes must be >= 1024")
         _require(self.body_timeout_s > 0, "--body-timeout-s must be positive")

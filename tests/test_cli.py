@@ -84,6 +84,19 @@ def test_defaults_come_from_the_dataclasses() -> None:
     assert config.engine.cache.enable_prefix_caching is True and config.engine.model.model is None
 
 
+def test_proxy_location_is_direct_on_the_private_ray_and_every_node_on_a_joined_one() -> None:
+    parse = build_parser().parse_args
+    assert serve_config_from_args(parse(["serve"])).proxy_location == "Direct"
+    assert serve_config_from_args(parse(["serve", "--address", "auto"])).proxy_location == "EveryNode"
+    flags = ["serve", "--proxy-location", "HeadOnly"]
+    assert serve_config_from_args(parse(flags)).proxy_location == "HeadOnly"
+
+
+def test_direct_with_a_joined_cluster_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--proxy-location", "Direct", "--address", "auto"]) == 2
+    assert "--proxy-location Direct needs the private Ray" in capsys.readouterr().err
+
+
 def test_bad_config_exits_2_before_starting_ray(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--tensor-parallel-size", "0"]) == 2
     assert "--tensor-parallel-size must be >= 1" in capsys.readouterr().err

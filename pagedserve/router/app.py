@@ -653,6 +653,36 @@ def deploy(serve_config: ServeConfig, name: str = APP_NAME) -> DeploymentHandle:
 
     Ray must be initialized. Returns once every replica is up.
     """
-    serve.start(proxy_location=serve_config.proxy_location,
-                http_options={"host": serve_config.host, "port": serve_config.port})  # fmt: skip
+    if serve_config.proxy_location == "Direct":
+        # the ingress replica listens on serve_config.port itself (direct_ingress_env, set before
+        # Ray started); Serve still keeps one fallback proxy on the head, on a port of its own
+        missing = {k: v for k, v in direct_ingress_env(serve_config).items() if os.environ.get(k) != v}
+        if missing:
+            raise ValueError(f"proxy_location Direct: start Ray with {missing} in its environment")
+        from pagedserve.localcluster import free_port
+
+        serve.start(proxy_location="HeadOnly", http_options={"host": serve_config.host, "port": free_port()})
+    else:
+        serve.start(proxy_location=serve_config.proxy_location,
+                    http_options={"host": serve_config.host, "port": serve_config.port})  # fmt: skip
     return serve.run(build_app(serve_config), name=name, route_prefix="/", blocking=False)
+
+
+def direct_ingress_env(serve_config: ServeConfig) -> dict[str, str]:
+    """Ray Serve's own environment for --proxy-location Direct (Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED
+    profile): the ingress replica serves HTTP on serve_config.port (no proxy hop: Serve's range
+    is [MIN, MAX), one port), deployments call each other over gRPC, user code and the router run
+    on the replica's event loop. No load balancer deregisters the replica here, so it does not
+    wait Serve's 30 s for one before it stops. Every Ray process must start with it: Serve reads
+    it as its modules are imported. `vllm bench serve` on SmolLM2 bf16, 2 cores (Zen 5), runs
+    alternating, against EveryNode's proxy: c16 390 / 412 against 368 / 352 / 392 tok/s, TTFT
+    p50 1153 / 1142 against 1251-1335 ms; shared prefix 348 / 372 against 302-326 tok/s."""
+    if serve_config.proxy_location != "Direct":
+        return {}
+    return {
+        "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(serve_config.port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(serve_config.port + 1),
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+    }

@@ -65,6 +65,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# greedy prompts of the CLI servers' tests (test_tensor_parallel_serve, test_direct_ingress)
+PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3,", "Hello"]
+
+
+@pytest.fixture(scope="module")
+def size_1_texts(tiny_engine_model) -> list[str]:
+    """The oracle of the CLI servers' tests: the tiny model, greedy, at size 1 in this process."""
+    from pagedserve import LLM, SamplingParams
+
+    llm = LLM(str(tiny_engine_model), dtype="float32", max_model_len=256, num_gpu_blocks_override=96,
+              block_size=8)  # fmt: skip
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12))
+    return [o.outputs[0].text for o in outs]
+
+
 @pytest.fixture(scope="session")
 def server(ray_session: None) -> Iterator[Server]:
     """The served default model; torn down (serve.shutdown) after the session."""

@@ -25,14 +25,12 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedserve import LLM, SamplingParams
-from tests.router.conftest import free_port
+from tests.router.conftest import PROMPTS, free_port
 
 pytestmark = pytest.mark.slow
 
 ENGINE_FLAGS = ["--max-model-len", "256", "--num-gpu-blocks-override", "96", "--block-size", "8",
                 "--dtype", "float32", "--max-num-seqs", "8", "--step-timeout-s", "20"]  # fmt: skip
-PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3,", "Hello"]
 START_TIMEOUT_S = 300
 
 
@@ -108,15 +106,6 @@ def metric_values(base: str, name: str) -> list[float]:
 
 def client(base: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base}/v1", api_key="EMPTY", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def size_1_texts(tiny_engine_model: Path) -> list[str]:
-    """The oracle: the same model, greedy, at size 1 in this process."""
-    llm = LLM(str(tiny_engine_model), dtype="float32", max_model_len=256, num_gpu_blocks_override=96,
-              block_size=8)  # fmt: skip
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12))
-    return [o.outputs[0].text for o in outs]
 
 
 def greedy_texts(api: openai.OpenAI) -> list[str]:
