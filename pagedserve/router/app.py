@@ -673,10 +673,11 @@ def direct_ingress_env(serve_config: ServeConfig) -> dict[str, str]:
     profile): the ingress replica serves HTTP on serve_config.port (no proxy hop: Serve's range
     is [MIN, MAX), one port), deployments call each other over gRPC, user code and the router run
     on the replica's event loop. No load balancer deregisters the replica here, so it does not
-    wait Serve's 30 s for one before it stops. Every Ray process must start with it: Serve reads
-    it as its modules are imported. `vllm bench serve` on SmolLM2 bf16, 2 cores (Zen 5), runs
-    alternating, against EveryNode's proxy: c16 390 / 412 against 368 / 352 / 392 tok/s, TTFT
-    p50 1153 / 1142 against 1251-1335 ms; shared prefix 348 / 372 against 302-326 tok/s."""
+    wait Serve's 30 s for one before it stops, nor its port 150 s before a new one may take it.
+    Every Ray process must start with it: Serve reads it as its modules are imported.
+    `vllm bench serve` on SmolLM2 bf16, 2 cores (Zen 5), runs alternating, against EveryNode's
+    proxy: c16 390 / 412 against 368 / 352 / 392 tok/s, TTFT p50 1153 / 1142 against 1251-1335
+    ms; shared prefix 348 / 372 against 302-326 tok/s."""
     if serve_config.proxy_location != "Direct":
         return {}
     return {
@@ -685,4 +686,7 @@ def direct_ingress_env(serve_config: ServeConfig) -> dict[str, str]:
         "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(serve_config.port),
         "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(serve_config.port + 1),
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+        # Serve holds a released port out of its pool for 150 s (for HAProxy's stale server lists,
+        # not used here): with one port, a replacement ingress would wait that long to serve
+        "RAY_SERVE_PORT_QUARANTINE_S": "0",
     }

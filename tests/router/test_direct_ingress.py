@@ -1,6 +1,7 @@
 """``pagedserve serve --proxy-location Direct`` as a user runs it: the CLI in its own process with
 its own private Ray; the ingress replica itself answers HTTP on --port (no Serve proxy between the
-client and it), on loopback only, behind --api-key.
+client and it), on loopback only, behind --api-key, and again on the same port once a lost
+ingress replica is replaced.
 
 Oracles: the official ``openai`` client; greedy text of the same model in this process; the
 kernel's own socket table (/proc/net/tcp) for who listens where; /metrics for the KV pool.
@@ -9,6 +10,7 @@ kernel's own socket table (/proc/net/tcp) for who listens where; /metrics for th
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 from pathlib import Path
@@ -38,19 +40,17 @@ def listeners(port: int) -> list[tuple[str, int]]:
     return found
 
 
-def owner_title(inode: int) -> str:
-    """The process title (Ray's actor name) of the process holding socket `inode`."""
-    import os
-
+def owner(inode: int) -> tuple[int, str]:
+    """(pid, process title: Ray's actor name) of the process holding socket `inode`."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 if os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]":
                     with open(f"/proc/{pid}/cmdline", "rb") as f:
-                        return f.read().split(b"\0")[0].decode(errors="replace")
+                        return int(pid), f.read().split(b"\0")[0].decode(errors="replace")
         except OSError:
             continue
-    return ""
+    return 0, ""
 
 
 def free_blocks(base: str, want: float = 96.0, timeout: float = 15.0) -> list[float]:
@@ -69,7 +69,8 @@ def test_direct_ingress_serves_on_loopback_behind_the_api_key(tiny_engine_model:
         # the ingress replica holds the port, on 127.0.0.1 only
         found = listeners(port)
         assert [address for address, _ in found] == ["0100007F"], found
-        assert "ServeReplica:pagedserve:OpenAIIngress" in owner_title(found[0][1])
+        ingress_pid, title = owner(found[0][1])
+        assert "ServeReplica:pagedserve:OpenAIIngress" in title
 
         # the API key, as the openai client sends it; greedy text equals the model in process
         with pytest.raises(openai.AuthenticationError):
@@ -112,6 +113,23 @@ def test_direct_ingress_serves_on_loopback_behind_the_api_key(tiny_engine_model:
         statuses = [r.status_code for r in asyncio.run(flood())]
         assert set(statuses) == {200, 503}, statuses
         assert free_blocks(base) == [96.0], "every block back in the pool after the flood"
+
+        # the ingress replica's process dies: Serve starts another, which takes the same port
+        os.kill(ingress_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while True:
+            found = listeners(port)
+            if found and owner(found[0][1])[0] not in (0, ingress_pid):
+                try:
+                    if httpx2.get(f"{base}/health", timeout=5).status_code == 200:
+                        break
+                except httpx2.HTTPError:
+                    pass
+            assert time.monotonic() < deadline, "no ingress took the port back"
+            time.sleep(0.5)
+        print(f"a new ingress served after {time.monotonic() - deadline + 120:.1f} s")
+        again = api.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=12, temperature=0)
+        assert again.choices[0].text == size_1_texts[2]
 
         # Ctrl-C (SIGTERM): a clean exit, not held by Serve's draining period for load balancers
         t0 = time.monotonic()
