@@ -191,6 +191,20 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     return serve_config_from_flags(flags)
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """ConfigError where host:port cannot be bound (taken by another server), before Ray starts:
+    else Serve fails the ingress deployment (Direct) or its proxy later, in a traceback."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is no conflict
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise ConfigError(f"--port {port}: cannot listen on {host}:{port} ({exc.strerror})") from exc
+
+
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
@@ -204,6 +218,8 @@ def serve_main(args: argparse.Namespace) -> int:
     from pagedserve.router.app import APP_NAME, deploy, served_model_name
 
     config = serve_config_from_args(args)
+    if config.address is None:  # our own Ray's HTTP server will bind here: say so now if it cannot
+        _check_port_free(config.host, config.port)
     # refuse an architecture we do not implement, or a size its heads cannot split, before
     # anything starts (not as a shape error in a replica that is loading weights)
     from pagedserve.worker.loader import check_tensor_parallel, load_config, resolve_model

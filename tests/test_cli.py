@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 
 import pytest
 
@@ -95,6 +96,16 @@ def test_proxy_location_is_direct_on_the_private_ray_and_every_node_on_a_joined_
 def test_direct_with_a_joined_cluster_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--proxy-location", "Direct", "--address", "auto"]) == 2
     assert "--proxy-location Direct needs the private Ray" in capsys.readouterr().err
+
+
+def test_a_taken_port_exits_2_before_starting_ray(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    error = capsys.readouterr().err
+    assert f"--port {port}: cannot listen on 127.0.0.1:{port} (Address already in use)" in error
 
 
 def test_bad_config_exits_2_before_starting_ray(capsys: pytest.CaptureFixture[str]) -> None:
