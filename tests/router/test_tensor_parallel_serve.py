@@ -36,8 +36,10 @@ START_TIMEOUT_S = 300
 
 @contextmanager
 def cli_server(model: Path, *flags: str) -> Iterator[tuple[str, subprocess.Popen]]:
-    """``pagedserve serve`` in a subprocess (its own session); yields (base URL, process) once
-    /health answers, and stops it with SIGTERM as a user's Ctrl-C would."""
+    """``pagedserve serve`` in a subprocess (its own session); yields (base URL, process) once it
+    says it is serving (Serve's application is running: every replica up) and /health answers,
+    and stops it with SIGTERM as a user's Ctrl-C would. (With --proxy-location Direct the ingress
+    replica answers /health as soon as it and one engine replica are up, before the others.)"""
     port = free_port()
     log = open(model.parent / f"serve-{port}.log", "w+")  # noqa: SIM115 - read back on failure
     cmd = [sys.executable, "-m", "pagedserve.cli", "serve", str(model), "--served-model-name", "tiny",
@@ -50,11 +52,13 @@ def cli_server(model: Path, *flags: str) -> Iterator[tuple[str, subprocess.Popen
         while True:
             assert proc.poll() is None, f"the server exited: {_tail(log)}"
             assert time.monotonic() < deadline, f"the server did not start: {_tail(log)}"
-            try:
-                if httpx2.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except httpx2.HTTPError:
-                pass
+            # read through a file of its own: seeking `log` would move the server's offset too
+            if "pagedserve: serving" in Path(log.name).read_text(errors="replace"):
+                try:
+                    if httpx2.get(f"{base}/health", timeout=5).status_code == 200:
+                        break
+                except httpx2.HTTPError:
+                    pass
             time.sleep(1)
         yield base, proc
     finally:
