@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from tests.router.conftest import PROMPTS
-from tests.router.test_tensor_parallel_serve import cli_server, metric_values
+from tests.router.test_tensor_parallel_serve import cli_server, free_blocks, metric_values
 
 pytestmark = pytest.mark.slow
 
@@ -51,15 +51,6 @@ def owner(inode: int) -> tuple[int, str]:
         except OSError:
             continue
     return 0, ""
-
-
-def free_blocks(base: str, want: float = 96.0, timeout: float = 15.0) -> list[float]:
-    deadline = time.monotonic() + timeout  # replicas publish their figures every ~0.1 s
-    while (got := metric_values(base, "pagedserve:num_free_blocks")) != [want]:
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    return got
 
 
 def test_direct_ingress_serves_on_loopback_behind_the_api_key(tiny_engine_model: Path, size_1_texts) -> None:

@@ -108,6 +108,16 @@ def metric_values(base: str, name: str) -> list[float]:
             if s.name == name]  # fmt: skip
 
 
+def free_blocks(base: str, want: float = 96.0, timeout: float = 15.0) -> list[float]:
+    """Each replica's free KV blocks from /metrics, once they read [want] or after `timeout` s."""
+    deadline = time.monotonic() + timeout  # replicas publish their figures every ~0.1 s
+    while (got := metric_values(base, "pagedserve:num_free_blocks")) != [want]:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    return got
+
+
 def client(base: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base}/v1", api_key="EMPTY", max_retries=0, timeout=120)
 
@@ -160,10 +170,7 @@ def test_one_replica_of_two_ranks_serves_and_survives_a_lost_rank(tiny_engine_mo
         new_pids = rank_pids(proc.pid)
         assert len(new_pids) == 2 and not set(new_pids) & set(pids)
         assert metric_values(base, "pagedserve:engine_group_restarts_total") == [1.0]
-        deadline = time.monotonic() + 10  # replicas publish their figures every ~0.1 s
-        while metric_values(base, "pagedserve:num_free_blocks") != [96.0] and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert metric_values(base, "pagedserve:num_free_blocks") == [96.0], "every block back in the pool"
+        assert free_blocks(base, timeout=10) == [96.0], "every block back in the pool"
 
 
 def test_two_replicas_of_two_ranks_route_by_prefix(tiny_engine_model, size_1_texts):
