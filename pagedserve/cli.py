@@ -215,11 +215,12 @@ def serve_main(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from pagedserve.router.app import APP_NAME, deploy, served_model_name
+    from pagedserve.router.app import APP_NAME, deploy, direct_ingress_env, served_model_name
 
     config = serve_config_from_args(args)
-    if config.address is None:  # our own Ray's HTTP server will bind here: say so now if it cannot
-        _check_port_free(config.host, config.port)
+    if config.address is None:  # our own Ray: its HTTP server binds here (say so now if it cannot),
+        _check_port_free(config.host, config.port)  # and its processes inherit this environment
+        os.environ.update(direct_ingress_env(config))
     # refuse an architecture we do not implement, or a size its heads cannot split, before
     # anything starts (not as a shape error in a replica that is loading weights)
     from pagedserve.worker.loader import check_tensor_parallel, load_config, resolve_model
@@ -239,10 +240,6 @@ def serve_main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     temp_dir = None
     try:
-        if config.address is None:  # our private Ray: its processes inherit this environment
-            from pagedserve.router.app import direct_ingress_env
-
-            os.environ.update(direct_ingress_env(config))
         temp_dir = init_ray(config.address)
         signal.signal(signal.SIGTERM, _interrupt)  # after ray.init, which may install its own
         deploy(config)
