@@ -323,6 +323,18 @@ def blocks_bf16_enabled() -> bool:
     return GGUF_BLOCKS and ext is not None and ext.blocks_bf16_available()
 
 
+# bf16 GGUF blocks through AMX tiles (cpu_blocks_bf16.cpp's linear_amx) where the CPU has AMX-BF16
+# and the OS grants its tiles; PAGEDSERVE_CPU_BLOCKS_AMX=0 keeps the AVX512-BF16 loop (and its row
+# limit) there.
+BLOCKS_AMX = os.environ.get("PAGEDSERVE_CPU_BLOCKS_AMX", "1") != "0"
+
+
+def blocks_amx_enabled() -> bool:
+    """Whether bf16 GGUF blocks run on AMX tiles (see BLOCKS_AMX)."""
+    ext = extension()
+    return blocks_bf16_enabled() and BLOCKS_AMX and ext.blocks_amx_available()
+
+
 def gguf_blocks_bf16(weight: Tensor) -> tuple[Tensor, bool] | None:
     """A weight [N, K] (fp32) whose every value is an exact GGUF Q4_1 or Q8_0 block value, as
     cpu_blocks_bf16.cpp's records for linear_blocks_bf16: (uint8 [ceil(N / 16), K / 32, record

@@ -29,11 +29,17 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__F16C__)
 #include <immintrin.h>
 #define PAGEDSERVE_BLOCKS_BF16 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PAGEDSERVE_BLOCKS_AMX 1
+#endif
 #endif
 
 namespace {
@@ -106,6 +112,133 @@ void panel_rows(const at::BFloat16* x, int64_t ldx, const uint8_t* rec, const fl
   for (int r = 0; r < R; ++r) _mm256_mask_storeu_epi16(y + r * ldy, mask, (__m256i)_mm512_cvtneps_pbh(tot[r]));
 }
 
+#if defined(PAGEDSERVE_BLOCKS_AMX)
+// The same records through AMX tiles, for any number of rows (CPUs with AMX-BF16).
+//
+// Why: on a 2-vCPU Xeon VM with AMX (2026-12-06) oneDNN's bf16 kernels took 35-36 ms for SmolLM2's
+// 30 layers and LM head at 1 to 16 rows (its 270 MB of weights at ~7.5 GB/s in that phase of the
+// VM); the AVX512-BF16 loop above does 16 vdpbf16ps a block and row, so its work grows with the
+// rows. Here a block of 32 k of 16 features is one B tile, its q expanded to bf16 integers (the
+// same vpermw lookup, each record's row pair t being B's rows 2t and 2t + 1 in AMX's pair layout),
+// and one tdpbf16ps multiplies it by up to 16 rows of x (A: x[rows, 32 b : 32 b + 32]) into a C
+// tile of fresh fp32 sums. That C is stored and each row's sums scaled by d and shifted by m times
+// the block's sum of x into fp32 accumulators, as above: the same exact weights, products exact,
+// sums in fp32 (in another order than the loop above), one rounding to bf16; rows do not depend
+// on each other. The next block is expanded, and the previous block's stored C scaled, while a
+// block's tile product runs (two B buffers, two C tiles).
+//
+// Tiles: 0 and 4 A, 1 and 5 B, 2 and 3 C (the two stages of the pipeline); rows of A and C are the
+// rows of x in this pass (<= 16), set by the tile configuration each thread loads per call.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void load_tiles(int rows) {
+  TileConfig cfg;
+  for (int t : {0, 4}) cfg.rows[t] = rows, cfg.colsb[t] = 64;  // A: rows x 32 bf16
+  for (int t : {1, 5}) cfg.rows[t] = 16, cfg.colsb[t] = 64;    // B: 16 k pairs x 16 features x 2
+  for (int t : {2, 3}) cfg.rows[t] = rows, cfg.colsb[t] = 64;  // C: rows x 16 fp32
+  // GCC 12 does not see ldtilecfg read cfg and drops the stores above without this barrier
+  __asm__ __volatile__("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+template <bool Q8>
+void expand_block(const uint8_t* rec, uint16_t* dst) {
+  if constexpr (!Q8) {
+    const __m512i table = _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0,
+                                           0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000, 0x4170, 0x4160,
+                                           0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0,
+                                           0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
+    for (int t = 0; t < 8; ++t) {
+      const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * t)));
+      _mm512_store_si512(dst + 64 * t, _mm512_permutexvar_epi16(bytes, table));
+      _mm512_store_si512(dst + 64 * t + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table));
+    }
+  } else {
+    for (int t = 0; t < 16; ++t) {
+      const __m128i* src = reinterpret_cast<const __m128i*>(rec + 32 * t);
+      const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src)));
+      const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src + 1)));
+      _mm512_store_si512(dst + 32 * t, (__m512i)_mm512_cvtne2ps_pbh(f1, f0));  // exact: |q| <= 127
+    }
+  }
+}
+
+// y[0:rows, 0:cols] for rows <= 16 of x against one panel's records (tiles configured for `rows`)
+template <bool Q8>
+void panel_amx(const at::BFloat16* x, int64_t ldx, int rows, const uint8_t* rec, const float* sums, int64_t blocks,
+               const float* bias, at::BFloat16* y, int64_t ldy, int64_t cols) {
+  constexpr int64_t rec_bytes = Q8 ? REC_Q8 : REC_Q4, scale_at = Q8 ? 512 : 256;
+  alignas(64) uint16_t bbuf[2][16 * 32];
+  alignas(64) float cbuf[2][16 * 16];
+  const __mmask16 mask = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
+  const __m512 b0 = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+  __m512 acc[16];
+  for (int r = 0; r < 16; ++r) acc[r] = b0;
+  auto scale = [&](int64_t b, const float* c) {
+    const uint8_t* rb = rec + b * rec_bytes;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rb + scale_at)));
+    for (int r = 0; r < rows; ++r) acc[r] = _mm512_fmadd_ps(_mm512_load_ps(c + 16 * r), d, acc[r]);
+    if constexpr (!Q8) {
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rb + scale_at + 32)));
+      for (int r = 0; r < rows; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * blocks + b]), m, acc[r]);
+    }
+  };
+  expand_block<Q8>(rec, bbuf[0]);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const char* ahead = reinterpret_cast<const char*>(rec + (b + 8) * rec_bytes);
+    for (int64_t off = 0; off < rec_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+    if (b & 1) {
+      _tile_zero(3);
+      _tile_loadd(4, x + b * KB, ldx * 2);
+      _tile_loadd(5, bbuf[1], 64);
+      _tile_dpbf16ps(3, 4, 5);
+    } else {
+      _tile_zero(2);
+      _tile_loadd(0, x + b * KB, ldx * 2);
+      _tile_loadd(1, bbuf[0], 64);
+      _tile_dpbf16ps(2, 0, 1);
+    }
+    if (b + 1 < blocks) expand_block<Q8>(rec + (b + 1) * rec_bytes, bbuf[(b + 1) & 1]);
+    if (b > 0) scale(b - 1, cbuf[(b - 1) & 1]);
+    if (b & 1)
+      _tile_stored(3, cbuf[1], 64);
+    else
+      _tile_stored(2, cbuf[0], 64);
+  }
+  scale(blocks - 1, cbuf[(blocks - 1) & 1]);
+  for (int r = 0; r < rows; ++r) _mm256_mask_storeu_epi16(y + r * ldy, mask, (__m256i)_mm512_cvtneps_pbh(acc[r]));
+}
+
+template <bool Q8>
+void linear_amx(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* records, const float* sums,
+                const float* bias, at::BFloat16* y, int64_t N) {
+  const int64_t blocks = K / KB, panels = (N + 15) / 16, rec_bytes = Q8 ? REC_Q8 : REC_Q4;
+  pagedserve_pool::decode_for(panels, 4, 2, [&](int64_t p0, int64_t p1) {
+    int configured = 0;
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {  // passes of 16 rows over this unit's panels (hot in L1 / L2)
+      const int rows = static_cast<int>(std::min<int64_t>(16, M - m0));
+      if (rows != configured) load_tiles(configured = rows);
+      for (int64_t p = p0; p < p1; ++p)
+        panel_amx<Q8>(x + m0 * K, K, rows, records + p * blocks * rec_bytes, sums ? sums + m0 * blocks : nullptr,
+                      blocks, bias ? bias + p * 16 : nullptr, y + m0 * N + p * 16, N,
+                      std::min<int64_t>(16, N - p * 16));
+    }
+    _tile_release();
+  });
+}
+
+// Linux hands AMX's tile state to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XTILEDATA, once per process; oneDNN asks too).
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+#endif
+
 template <bool Q8>
 void linear_rows(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* records, const float* sums,
                  const float* bias, at::BFloat16* y, int64_t N) {
@@ -141,10 +274,20 @@ bool blocks_bf16_available() {
 #endif
 }
 
+// whether linear_blocks_bf16 runs on AMX tiles here (built for AMX-BF16, and Linux granted the tiles)
+bool blocks_amx_available() {
+#if defined(PAGEDSERVE_BLOCKS_AMX)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
 // y [M, N] = x [M, K] W^T + bias for bf16 x, W in the records above (`q8`: Q8_0, else Q4_1), as a
-// uint8 tensor [ceil(N / 16), K / 32, record bytes]; bias fp32 [N] or none.
+// uint8 tensor [ceil(N / 16), K / 32, record bytes]; bias fp32 [N] or none. On AMX tiles where
+// blocks_amx_available() and `use_amx`, else the AVX512-BF16 loop.
 at::Tensor linear_blocks_bf16(const at::Tensor& x, const at::Tensor& records, const c10::optional<at::Tensor>& bias,
-                              int64_t N, bool q8) {
+                              int64_t N, bool q8, bool use_amx) {
 #if defined(PAGEDSERVE_BLOCKS_BF16)
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_blocks_bf16: bf16 x");
   TORCH_CHECK(records.scalar_type() == at::kByte && records.dim() == 3 && records.is_contiguous() &&
@@ -166,8 +309,21 @@ at::Tensor linear_blocks_bf16(const at::Tensor& x, const at::Tensor& records, co
   if (M == 0) return y.view(out_shape);
   const auto* xp = xc.data_ptr<at::BFloat16>();
   const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
+#if defined(PAGEDSERVE_BLOCKS_AMX)
+  const bool amx = use_amx && amx_permitted();
+#else
+  const bool amx = false && use_amx;
+#endif
+  auto run = [&](auto q8_tag, const float* sums) {
+    constexpr bool Q8 = decltype(q8_tag)::value;
+#if defined(PAGEDSERVE_BLOCKS_AMX)
+    if (amx) return linear_amx<Q8>(xp, M, K, records.data_ptr<uint8_t>(), sums, bp, y.data_ptr<at::BFloat16>(), N);
+#endif
+    linear_rows<Q8>(xp, M, K, records.data_ptr<uint8_t>(), sums, bp, y.data_ptr<at::BFloat16>(), N);
+  };
+  (void)amx;
   if (q8) {
-    linear_rows<true>(xp, M, K, records.data_ptr<uint8_t>(), nullptr, bp, y.data_ptr<at::BFloat16>(), N);
+    run(std::true_type{}, nullptr);
   } else {
     // Q4_1's m term: each block's sum of x in fp32 [M, blocks]
     std::vector<float> sums(M * blocks);
@@ -178,7 +334,7 @@ at::Tensor linear_blocks_bf16(const at::Tensor& x, const at::Tensor& records, co
       const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
       sums[i] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
     }
-    linear_rows<false>(xp, M, K, records.data_ptr<uint8_t>(), sums.data(), bp, y.data_ptr<at::BFloat16>(), N);
+    run(std::false_type{}, sums.data());
   }
   return y.view(out_shape);
 #else

@@ -717,8 +717,9 @@ void set_decode_pool(int64_t helpers, int64_t spin_us);
 int64_t decode_pool_helpers();
 // cpu_blocks_bf16.cpp
 bool blocks_bf16_available();
+bool blocks_amx_available();
 at::Tensor linear_blocks_bf16(const at::Tensor& x, const at::Tensor& records, const c10::optional<at::Tensor>& bias,
-                              int64_t N, bool q8);
+                              int64_t N, bool q8, bool use_amx);
 // cpu_onednn_split.cpp
 at::Tensor linear_onednn_split(const at::Tensor& x, const std::vector<at::Tensor>& parts,
                                const std::vector<int64_t>& starts, const c10::optional<at::Tensor>& bias);
@@ -747,8 +748,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_pool_helpers", &decode_pool_helpers, "the decode pool's helper threads");
   m.def("linear_blocks", &linear_blocks, "x W^T + b with W in GGUF Q4_1 / Q8_0 blocks of 16-feature panels (fp32 AVX2)");
   m.def("blocks_bf16_available", &blocks_bf16_available, "whether the AVX512-BF16 GGUF-block kernel was built");
-  m.def("linear_blocks_bf16", &linear_blocks_bf16, "x W^T + b for bf16 x of a few rows with W in GGUF Q4_1 / Q8_0 "
-        "block records of 16-feature panels (AVX512-BF16)");
+  m.def("blocks_amx_available", &blocks_amx_available, "whether linear_blocks_bf16 runs on AMX tiles (built and "
+        "granted by the OS)");
+  m.def("linear_blocks_bf16", &linear_blocks_bf16, "x W^T + b for bf16 x with W in GGUF Q4_1 / Q8_0 block "
+        "records of 16-feature panels (AMX tiles where available and use_amx, else AVX512-BF16)");
   m.def("linear_onednn_split", &linear_onednn_split, "x W^T + b with W prepacked for oneDNN in parts of output "
         "features [starts[i], starts[i + 1]), the parts on the decode pool's threads");
 }

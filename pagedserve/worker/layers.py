@@ -90,13 +90,28 @@ GEMM_MAX_ROWS = {torch.float32: math.inf, torch.bfloat16: 32}
 # work grows with rows, oneDNN's time hardly does).
 BF16_BLOCKS_MAX_ROWS = 4
 
+# The same through AMX tiles (cpu.blocks_amx_enabled): one tile product a block for 16 rows, so the
+# work hardly grows with the rows. SmolLM2's 30 layers and LM head, same VM in a slow phase
+# (2026-12-06 night), against oneDNN on the dense bf16 weights: one thread 11.6 / 33.5 ms at 1 row,
+# 16.1 / 34.8 at 16, 30.2 / 38.7 at 32, 42.9 / 41.7 at 48, 55.6 / 47.6 at 64 (passes of 16 rows,
+# each expanding the blocks again); as served, one torch thread and the decode pool's helper for
+# the blocks: 9.1 / 36.2 at 1, 13.8 / 37.6 at 16, 30.1 / 44.9 at 48, 39.9 / 52.4 at 64.
+BF16_BLOCKS_AMX_MAX_ROWS = 64
+
 
 @dataclass(frozen=True)
 class Bf16Blocks:
-    """A weight kept as cpu_blocks_bf16.cpp's records of its GGUF blocks (cpu.gguf_blocks_bf16)."""
+    """A weight kept as cpu_blocks_bf16.cpp's records of its GGUF blocks (cpu.gguf_blocks_bf16),
+    run on AMX tiles (`amx`) or by the AVX512-BF16 loop."""
 
     records: Tensor
     q8: bool
+    amx: bool = False
+
+    @property
+    def max_rows(self) -> int:
+        """Rows up to which a step takes the blocks rather than oneDNN's dense bf16 weights."""
+        return BF16_BLOCKS_AMX_MAX_ROWS if self.amx else BF16_BLOCKS_MAX_ROWS
 
 
 @dataclass(frozen=True)
@@ -122,10 +137,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: Tensor | Oned
     up to BF16_BLOCKS_MAX_ROWS rows, else the weight prepacked for oneDNN (`packed`: whole, or in
     parts over the decode pool's threads) when there is one (CPU), else torch's linear."""
     if isinstance(gemm, Bf16Blocks):
-        if x.numel() <= BF16_BLOCKS_MAX_ROWS * x.shape[-1]:
+        if x.numel() <= gemm.max_rows * x.shape[-1]:
             from pagedserve.kernels import cpu
 
-            return cpu.extension().linear_blocks_bf16(x, gemm.records, bias, weight.shape[0], gemm.q8)
+            return cpu.extension().linear_blocks_bf16(x, gemm.records, bias, weight.shape[0], gemm.q8, gemm.amx)
     elif isinstance(gemm, tuple):
         from pagedserve.kernels import cpu
 
@@ -198,7 +213,7 @@ def prepack_linear_weights(model: nn.Module, onednn_always: bool = False, gguf_b
             elif (weight.dtype == torch.bfloat16 and gguf_blocks and name in exact_weights
                   and not onednn_always and cpu.blocks_bf16_enabled()):  # fmt: skip
                 found = cpu.gguf_blocks_bf16(exact_weights[name])
-                module.gemm_weight = Bf16Blocks(*found) if found is not None else None
+                module.gemm_weight = Bf16Blocks(*found, cpu.blocks_amx_enabled()) if found is not None else None
             if onednn_always or not gemm or GEMM_MAX_ROWS[weight.dtype] < math.inf:
                 module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
             count += 1

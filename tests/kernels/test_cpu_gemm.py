@@ -215,14 +215,19 @@ def test_layers_keep_gguf_weights_in_blocks_for_every_row_count(monkeypatch, gem
 
 
 blocks_bf16_kernel = pytest.mark.skipif(not ext.blocks_bf16_available(), reason="the CPU has no AVX512-BF16")
+# the AVX512-BF16 loop everywhere it was built; AMX tiles where the CPU has them
+BLOCK_PATHS = [False] + [pytest.param(True, marks=pytest.mark.skipif(
+    not ext.blocks_amx_available(), reason="the CPU has no AMX-BF16 (or the OS did not grant its tiles)"))]
 
 
 @blocks_bf16_kernel
+@pytest.mark.parametrize("amx", BLOCK_PATHS, ids=["avx512", "amx"])
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize(("n", "k"), [(40, 64), (100, 96), (960, 576), (7, 1536)])
-def test_bf16_gguf_blocks_linear_is_the_exact_weights_product_rounded_once(kind, n, k) -> None:
+def test_bf16_gguf_blocks_linear_is_the_exact_weights_product_rounded_once(kind, n, k, amx) -> None:
     """cpu_blocks_bf16.cpp: bf16 x times the exact block values (gguf-py's, as fp32 holds them, not
-    their bf16 roundings), summed in fp32, the bias added, rounded once to bf16."""
+    their bf16 roundings), summed in fp32, the bias added, rounded once to bf16; by the AVX512-BF16
+    loop and by AMX tiles."""
     w = _gguf_weight(n, k, kind, seed=n + k)
     found = cpu.gguf_blocks_bf16(w)
     assert found is not None and found[1] == (kind == "q8_0")
@@ -230,13 +235,13 @@ def test_bf16_gguf_blocks_linear_is_the_exact_weights_product_rounded_once(kind,
     assert tuple(records.shape) == (-(-n // 16), k // 32, 544 if q8 else 320)  # 8.5 or 5 bits a weight
     # x = I reads each weight back alone: gguf-py's fp32 value rounded to bf16, bit for bit
     eye = torch.eye(k).bfloat16()
-    assert torch.equal(ext.linear_blocks_bf16(eye, records, None, n, q8), w.t().bfloat16())
+    assert torch.equal(ext.linear_blocks_bf16(eye, records, None, n, q8, amx), w.t().bfloat16())
     torch.manual_seed(n + k)
     bias = torch.randn(n)
-    for rows in (0, 1, 2, 3, 4, 5, 9):  # row groups of 4 and their remainders
+    for rows in (0, 1, 2, 3, 4, 5, 9, 16, 17, 40):  # the loop's row groups of 4, AMX's passes of 16
         x = torch.randn(rows, k).bfloat16()
         for b in (None, bias):
-            got = ext.linear_blocks_bf16(x, records, b, n, q8)
+            got = ext.linear_blocks_bf16(x, records, b, n, q8, amx)
             assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
             exact = _oracle(x, w, b).double()
             # one bf16 rounding of the exact value, plus fp32 sums' error (~k ulps of |x||w|)
@@ -245,11 +250,11 @@ def test_bf16_gguf_blocks_linear_is_the_exact_weights_product_rounded_once(kind,
             if rows:
                 assert (got == exact.bfloat16()).float().mean() > 0.97
     # leading dims kept; a row's result does not depend on the rows beside it, bit for bit
-    x = torch.randn(9, k).bfloat16()
-    whole = ext.linear_blocks_bf16(x, records, bias, n, q8)
-    for rows in (1, 2, 3, 4, 5):
-        assert torch.equal(ext.linear_blocks_bf16(x[:rows], records, bias, n, q8), whole[:rows])
-    assert torch.equal(ext.linear_blocks_bf16(x.view(3, 3, k), records, bias, n, q8), whole.view(3, 3, n))
+    x = torch.randn(36, k).bfloat16()
+    whole = ext.linear_blocks_bf16(x, records, bias, n, q8, amx)
+    for rows in (1, 2, 3, 4, 5, 15, 16, 17, 33):
+        assert torch.equal(ext.linear_blocks_bf16(x[:rows], records, bias, n, q8, amx), whole[:rows])
+    assert torch.equal(ext.linear_blocks_bf16(x.view(6, 6, k), records, bias, n, q8, amx), whole.view(6, 6, n))
 
 
 @blocks_bf16_kernel
@@ -257,23 +262,26 @@ def test_bf16_gguf_blocks_reject_what_they_cannot_run() -> None:
     records, q8 = cpu.gguf_blocks_bf16(_gguf_weight(64, 64, "q4_1"))
     assert cpu.gguf_blocks_bf16(torch.randn(64, 64)) is None  # not block values
     with pytest.raises(RuntimeError, match="bf16 x"):
-        ext.linear_blocks_bf16(torch.randn(2, 64), records, None, 64, q8)
+        ext.linear_blocks_bf16(torch.randn(2, 64), records, None, 64, q8, True)
     with pytest.raises(RuntimeError, match="features"):
-        ext.linear_blocks_bf16(torch.randn(2, 96).bfloat16(), records, None, 64, q8)
+        ext.linear_blocks_bf16(torch.randn(2, 96).bfloat16(), records, None, 64, q8, True)
     with pytest.raises(RuntimeError, match="block layout"):
-        ext.linear_blocks_bf16(torch.randn(2, 64).bfloat16(), records, None, 64, not q8)
+        ext.linear_blocks_bf16(torch.randn(2, 64).bfloat16(), records, None, 64, not q8, True)
     with pytest.raises(RuntimeError, match="N does not match"):
-        ext.linear_blocks_bf16(torch.randn(2, 64).bfloat16(), records, None, 80, q8)
+        ext.linear_blocks_bf16(torch.randn(2, 64).bfloat16(), records, None, 80, q8, True)
 
 
 @blocks_bf16_kernel
-def test_bf16_layers_take_gguf_blocks_from_the_fp32_twin_up_to_their_row_limit(monkeypatch) -> None:
+@pytest.mark.parametrize("amx", BLOCK_PATHS, ids=["avx512", "amx"])
+def test_bf16_layers_take_gguf_blocks_from_the_fp32_twin_up_to_their_row_limit(monkeypatch, amx) -> None:
     """A bf16 layer whose fp32 twin holds exact GGUF block values (the worker loads that twin)
-    keeps the blocks beside oneDNN's dense copy: steps of up to BF16_BLOCKS_MAX_ROWS rows take the
-    blocks (the exact weights), larger ones oneDNN (the bf16 weights)."""
+    keeps the blocks beside oneDNN's dense copy: steps of up to BF16_BLOCKS_MAX_ROWS rows (AMX
+    tiles: BF16_BLOCKS_AMX_MAX_ROWS) take the blocks (the exact weights), larger ones oneDNN (the
+    bf16 weights)."""
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("oneDNN has no bf16 here")
     monkeypatch.setenv("PAGEDSERVE_CPU_GEMM", "0")  # as on a CPU with AMX: no dense bf16 panels
+    monkeypatch.setattr(cpu, "BLOCKS_AMX", amx)  # PAGEDSERVE_CPU_BLOCKS_AMX
     cpu.gemm_enabled.cache_clear()
     try:
         exact = layers.RowParallelLinear(576, 40, bias=True)
@@ -283,17 +291,18 @@ def test_bf16_layers_take_gguf_blocks_from_the_fp32_twin_up_to_their_row_limit(m
         lin.load_state_dict(exact.state_dict())
         assert layers.prepack_linear_weights(lin, exact=exact) == 1
         assert isinstance(lin.gemm_weight, layers.Bf16Blocks) and lin.packed_weight is not None
+        assert lin.gemm_weight.amx == amx
         calls = []
         real = ext.linear_blocks_bf16
-        monkeypatch.setattr(ext, "linear_blocks_bf16", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-        most = layers.BF16_BLOCKS_MAX_ROWS
-        for m in (1, most, most + 1, 64):
+        monkeypatch.setattr(ext, "linear_blocks_bf16", lambda *a: calls.append((a[0].shape[0], a[5])) or real(*a))
+        most = layers.BF16_BLOCKS_AMX_MAX_ROWS if amx else layers.BF16_BLOCKS_MAX_ROWS
+        for m in (1, most, most + 1, 200):
             x = torch.randn(m, 576).bfloat16()
             weights = exact.weight if m <= most else lin.weight  # exact block values, or bf16 ones
             expected = _oracle(x, weights, lin.bias).double()
             got = lin(x).double()
             assert ((got - expected).abs() <= expected.abs() * 2**-7 + 1e-2).all()
-        assert calls == [1, most]
+        assert calls == [(1, amx), (most, amx)]
         # switched off (PAGEDSERVE_CPU_GGUF_BLOCKS=0), or no fp32 twin: oneDNN alone
         lin.gemm_weight = None
         assert layers.prepack_linear_weights(lin, gguf_blocks=False, exact=exact) == 1

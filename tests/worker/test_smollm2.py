@@ -103,8 +103,9 @@ def test_gguf_blocks_with_decode_helpers_match_transformers(smollm2_dir: Path) -
 
 def test_bf16_gguf_blocks_match_transformers_and_answer(smollm2_dir: Path, smollm2: tuple) -> None:
     """As served in bf16 on a CPU with AMX: the worker reads the GGUF block values from an fp32
-    copy of the model and keeps them beside oneDNN's bf16 weights; decode steps of up to 4
-    sequences multiply by the exact weights (cpu_blocks_bf16.cpp), prefill by the bf16 ones. bf16
+    copy of the model and keeps them beside oneDNN's bf16 weights; decode steps of up to 64
+    sequences (AMX tiles; 4 by the AVX512-BF16 loop) multiply by the exact weights
+    (cpu_blocks_bf16.cpp), prefill by the bf16 ones. bf16
     logits stay within bf16's error of transformers' fp32 ones, and the greedy answer is right."""
     from pagedserve.kernels import cpu
     from pagedserve.worker.layers import BF16_BLOCKS_MAX_ROWS, Bf16Blocks
@@ -115,6 +116,7 @@ def test_bf16_gguf_blocks_match_transformers_and_answer(smollm2_dir: Path, smoll
     worker = Worker(str(smollm2_dir), dtype="bfloat16")
     linears = [m for m in worker.model.modules() if hasattr(m, "gemm_weight")]
     assert linears and all(isinstance(m.gemm_weight, Bf16Blocks) for m in linears)
+    assert all(m.gemm_weight.amx == cpu.blocks_amx_enabled() for m in linears)
     model, config = worker.model, worker.hf_config
     prompts = [_chat_ids(smollm2_dir, q) for q in QUESTIONS]
     assert len(prompts) <= BF16_BLOCKS_MAX_ROWS  # their decode steps take the blocks
