@@ -11,7 +11,7 @@ through ``Worker.execute`` (metadata, model, LM head, sampling: what a served st
   Q4_1 / Q8_0 blocks the default keeps them in (fp32 on AVX2: cpu.gguf_blocks);
 - ``oneDNN linears``: every linear layer on oneDNN's prepacked weights, none on the kernels of
   cpu_gemm.cpp (where the dtype has one on this CPU: fp32 on AVX2, bf16 on AVX512-BF16 without AMX)
-  or cpu_blocks_bf16.cpp (bf16 GGUF blocks on AMX, steps of up to 4 rows).
+  or cpu_blocks_bf16.cpp (bf16 GGUF blocks on AMX: its tiles, steps of up to 64 rows).
 
 Prints the median step time of each (workload, variant) and the ratio to the default's. Then the
 decode attention kernel alone over 30 layers' pools of the model's KV shape (random KV, blocks at

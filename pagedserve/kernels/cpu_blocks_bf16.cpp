@@ -1,4 +1,5 @@
-// bf16 linear layers (y = x W^T + b) of a few rows, W read from its GGUF blocks (AVX512-BF16).
+// bf16 linear layers (y = x W^T + b) of decode steps, W read from its GGUF blocks (AVX512-BF16 for
+// a few rows; AMX tiles, below, for up to layers.BF16_BLOCKS_AMX_MAX_ROWS).
 //
 // Why: a decode step at concurrency 1 streams every weight once for one row of x. On a 2-vCPU Xeon
 // with AMX (2026-12-05) oneDNN's bf16 kernels ran SmolLM2's 30 layers and LM head in ~24 ms on one
@@ -13,7 +14,8 @@
 // which is x times the exact weights d q + m (as the fp32 model holds them), not their bf16
 // roundings; the result is rounded once to bf16 (nearest even). A row's result does not depend on
 // the rows beside it. Work grows with rows (16 vdpbf16ps a block and row), memory traffic does not:
-// past a few rows oneDNN's AMX kernels over the dense bf16 weights win (layers.BF16_BLOCKS_MAX_ROWS).
+// past a few rows oneDNN's AMX kernels over the dense bf16 weights win (layers.BF16_BLOCKS_MAX_ROWS),
+// unless the blocks themselves go through AMX tiles (linear_amx below: the default where it runs).
 //
 // Layout of one (panel p, block b) record, panels of 16 features (features past N are zero):
 //   Q4_1 (320 bytes): [0, 256) eight row pairs t, 32 bytes each: byte j holds in its low nibble

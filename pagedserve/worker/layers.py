@@ -134,7 +134,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: Tensor | Oned
            gemm: GemmWeight = None) -> Tensor:  # fmt: skip
     """x W^T + b: through cpu_gemm.cpp's packed weight (`gemm`: dense panels for up to
     GEMM_MAX_ROWS rows, or GGUF blocks for any row count), or cpu_blocks_bf16.cpp's GGUF blocks for
-    up to BF16_BLOCKS_MAX_ROWS rows, else the weight prepacked for oneDNN (`packed`: whole, or in
+    up to `gemm.max_rows` rows (AMX tiles: BF16_BLOCKS_AMX_MAX_ROWS, else BF16_BLOCKS_MAX_ROWS), else the weight prepacked for oneDNN (`packed`: whole, or in
     parts over the decode pool's threads) when there is one (CPU), else torch's linear."""
     if isinstance(gemm, Bf16Blocks):
         if x.numel() <= gemm.max_rows * x.shape[-1]:
@@ -181,8 +181,8 @@ def prepack_linear_weights(model: nn.Module, onednn_always: bool = False, gguf_b
     kernels run (`gguf_blocks`, default cpu.GGUF_BLOCKS): the same weights in 5-6x fewer bytes,
     every row count through cpu_gemm.cpp's linear_blocks. A bf16 model on a CPU with AMX keeps
     them in cpu_blocks_bf16.cpp's records beside oneDNN's dense copy (steps of up to
-    BF16_BLOCKS_MAX_ROWS rows take the blocks, multiplying by the exact weights, not their bf16
-    roundings): its own weights are those roundings, so the block values are read from `exact`,
+    BF16_BLOCKS_AMX_MAX_ROWS rows on AMX tiles, BF16_BLOCKS_MAX_ROWS without, take the blocks,
+    multiplying by the exact weights, not their bf16 roundings): its own weights are those roundings, so the block values are read from `exact`,
     the same model loaded in fp32 (module names match). Returns the number of layers
     prepacked.
     """
