@@ -17,13 +17,13 @@ Prints the median time of each and the speedup; the last line is a JSON object o
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
+import pagedserve.kernels as kernels
 from pagedserve.kernels import cpu, reference
 from pagedserve.worker.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 
@@ -86,11 +86,11 @@ def _unfused(fn: Callable[[], object]) -> Callable[[], object]:
     """fn with the fused ops off (layers.py's torch code)."""
 
     def run() -> object:
-        os.environ["PAGEDSERVE_CPU_FUSED"] = "0"
+        kernels.FUSED = False
         try:
             return fn()
         finally:
-            os.environ.pop("PAGEDSERVE_CPU_FUSED", None)
+            kernels.FUSED = True
 
     return run
 

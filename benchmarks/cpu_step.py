@@ -35,6 +35,7 @@ import time
 
 import torch
 
+import pagedserve.kernels as kernel_ops
 from pagedserve.kernels import cpu as cpu_kernels
 from pagedserve.plan import ScheduledSeq, StepPlan
 from pagedserve.worker import layers
@@ -138,7 +139,7 @@ def main() -> None:
     results: dict[str, dict[str, list[float]]] = {k: {v: [] for v in variants} for k in workloads}
     for _ in range(args.rounds):  # interleaved, so drift of the machine hits every variant alike
         for name, (fused, threads) in variants.items():
-            os.environ["PAGEDSERVE_CPU_FUSED"] = fused
+            kernel_ops.FUSED = fused == "1"
             # threads None: the worker's own policy (its calibrated count for steps of <= 8 tokens)
             worker_module.SMALL_STEP_TOKENS = 8 if threads is None else 0
             w.max_threads = threads or cores
@@ -146,7 +147,7 @@ def main() -> None:
                 m.gemm_weight = g
             for wl, fn in workloads.items():
                 results[wl][name].append(fn())
-    os.environ.pop("PAGEDSERVE_CPU_FUSED", None)
+    kernel_ops.FUSED = True
     for m, g in default_gemm.items():
         m.gemm_weight = g
     print(f"dtype {w.dtype}, {cores} cores, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}, "

@@ -4,8 +4,8 @@ CUDA tensors run the Triton kernels (attention.py, cache.py); CPU tensors run th
 (cpu.py: decode attention in C++, the rest the plain-torch reference), and the reference
 (reference.py) is every path's oracle. All share one signature per op, so any caller or test can
 swap them. The backend can be forced: ``PAGEDSERVE_KERNELS=triton`` (or ``cpu``, ``torch``) in
-the environment, read
-at each call, or the ``use_backend("triton")`` context manager, which wins over the environment.
+the environment, read when this package is imported (a process's start; ENV_BACKEND), or the
+``use_backend("triton")`` context manager, which wins over the environment.
 Forcing Triton on CPU tensors needs Triton's interpreter (``TRITON_INTERPRET=1`` before import).
 Triton is imported only when a Triton path is taken, so this package imports without it.
 """
@@ -27,6 +27,9 @@ __all__ = ["write_kv", "paged_attention", "copy_blocks", "swap_blocks", "fused_o
 
 BACKENDS = ("auto", "triton", "cpu", "torch")
 _forced: str | None = None
+# Read once: a decode step dispatches ~200 ops, and os.environ's lookups cost ~1 ms of a 21 ms step
+# of SmolLM2 at batch 1 (py-spy, 2-vCPU Xeon VM, 2026-12-06). Tests set these attributes.
+ENV_BACKEND = os.environ.get("PAGEDSERVE_KERNELS", "auto")
 
 
 @contextmanager
@@ -43,7 +46,7 @@ def use_backend(name: str) -> Iterator[None]:
 
 
 def _backend(t: Tensor) -> str:
-    name = _forced or os.environ.get("PAGEDSERVE_KERNELS", "auto")
+    name = _forced or ENV_BACKEND
     if name not in BACKENDS:
         raise ValueError(f"PAGEDSERVE_KERNELS={name!r}; expected one of {BACKENDS}")
     if name == "auto":
@@ -114,6 +117,7 @@ def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor) -> None:
 
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FUSED = os.environ.get("PAGEDSERVE_CPU_FUSED", "1") != "0"  # read once, as ENV_BACKEND
 
 
 def argmax_rows(t: Tensor) -> Tensor:
@@ -130,10 +134,8 @@ def fused_ops(t: Tensor) -> ModuleType | None:
     """The CPU extension's fused elementwise ops of a decoder layer (rms_norm, fused_add_rms_norm,
     rotary_neox, silu_and_mul; cpu_ops.cpp) where t runs the CPU backend and the extension is
     built, else None: layers.py then runs its torch code, which is their reference.
-    ``PAGEDSERVE_CPU_FUSED=0`` turns them off (to measure them)."""
-    if t.device.type != "cpu" or t.dtype not in _FUSED_DTYPES or _backend(t) != "cpu":
-        return None
-    if os.environ.get("PAGEDSERVE_CPU_FUSED", "1") == "0":
+    ``PAGEDSERVE_CPU_FUSED=0`` at start (FUSED) turns them off (to measure them)."""
+    if not FUSED or t.device.type != "cpu" or t.dtype not in _FUSED_DTYPES or _backend(t) != "cpu":
         return None
     from pagedserve.kernels import cpu
 

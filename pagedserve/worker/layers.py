@@ -134,13 +134,15 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: Tensor | Oned
            gemm: GemmWeight = None) -> Tensor:  # fmt: skip
     """x W^T + b: through cpu_gemm.cpp's packed weight (`gemm`: dense panels for up to
     GEMM_MAX_ROWS rows, or GGUF blocks for any row count), or cpu_blocks_bf16.cpp's GGUF blocks for
-    up to `gemm.max_rows` rows (AMX tiles: BF16_BLOCKS_AMX_MAX_ROWS, else BF16_BLOCKS_MAX_ROWS), else the weight prepacked for oneDNN (`packed`: whole, or in
-    parts over the decode pool's threads) when there is one (CPU), else torch's linear."""
+    up to `gemm.max_rows` rows (AMX tiles: BF16_BLOCKS_AMX_MAX_ROWS, else BF16_BLOCKS_MAX_ROWS),
+    else the weight prepacked for oneDNN (`packed`: whole, or in parts over the decode pool's
+    threads) when there is one (CPU), else torch's linear."""
     if isinstance(gemm, Bf16Blocks):
         if x.numel() <= gemm.max_rows * x.shape[-1]:
             from pagedserve.kernels import cpu
 
-            return cpu.extension().linear_blocks_bf16(x, gemm.records, bias, weight.shape[0], gemm.q8, gemm.amx)
+            n = weight.shape[0]
+            return cpu.extension().linear_blocks_bf16(x, gemm.records, bias, n, gemm.q8, gemm.amx)
     elif isinstance(gemm, tuple):
         from pagedserve.kernels import cpu
 
@@ -182,9 +184,9 @@ def prepack_linear_weights(model: nn.Module, onednn_always: bool = False, gguf_b
     every row count through cpu_gemm.cpp's linear_blocks. A bf16 model on a CPU with AMX keeps
     them in cpu_blocks_bf16.cpp's records beside oneDNN's dense copy (steps of up to
     BF16_BLOCKS_AMX_MAX_ROWS rows on AMX tiles, BF16_BLOCKS_MAX_ROWS without, take the blocks,
-    multiplying by the exact weights, not their bf16 roundings): its own weights are those roundings, so the block values are read from `exact`,
-    the same model loaded in fp32 (module names match). Returns the number of layers
-    prepacked.
+    multiplying by the exact weights, not their bf16 roundings): its own weights are those
+    roundings, so the block values are read from `exact`, the same model loaded in fp32 (module
+    names match). Returns the number of layers prepacked.
     """
     if not torch.backends.mkldnn.is_available():
         return 0
@@ -213,7 +215,8 @@ def prepack_linear_weights(model: nn.Module, onednn_always: bool = False, gguf_b
             elif (weight.dtype == torch.bfloat16 and gguf_blocks and name in exact_weights
                   and not onednn_always and cpu.blocks_bf16_enabled()):  # fmt: skip
                 found = cpu.gguf_blocks_bf16(exact_weights[name])
-                module.gemm_weight = Bf16Blocks(*found, cpu.blocks_amx_enabled()) if found is not None else None
+                amx = cpu.blocks_amx_enabled()
+                module.gemm_weight = Bf16Blocks(*found, amx) if found is not None else None
             if onednn_always or not gemm or GEMM_MAX_ROWS[weight.dtype] < math.inf:
                 module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
             count += 1

@@ -254,7 +254,8 @@ def test_bf16_gguf_blocks_linear_is_the_exact_weights_product_rounded_once(kind,
     whole = ext.linear_blocks_bf16(x, records, bias, n, q8, amx)
     for rows in (1, 2, 3, 4, 5, 15, 16, 17, 33):
         assert torch.equal(ext.linear_blocks_bf16(x[:rows], records, bias, n, q8, amx), whole[:rows])
-    assert torch.equal(ext.linear_blocks_bf16(x.view(6, 6, k), records, bias, n, q8, amx), whole.view(6, 6, n))
+    got = ext.linear_blocks_bf16(x.view(6, 6, k), records, bias, n, q8, amx)
+    assert torch.equal(got, whole.view(6, 6, n))
 
 
 @blocks_bf16_kernel
@@ -294,7 +295,8 @@ def test_bf16_layers_take_gguf_blocks_from_the_fp32_twin_up_to_their_row_limit(m
         assert lin.gemm_weight.amx == amx
         calls = []
         real = ext.linear_blocks_bf16
-        monkeypatch.setattr(ext, "linear_blocks_bf16", lambda *a: calls.append((a[0].shape[0], a[5])) or real(*a))
+        spy = lambda *a: calls.append((a[0].shape[0], a[5])) or real(*a)  # noqa: E731
+        monkeypatch.setattr(ext, "linear_blocks_bf16", spy)
         most = layers.BF16_BLOCKS_AMX_MAX_ROWS if amx else layers.BF16_BLOCKS_MAX_ROWS
         for m in (1, most, most + 1, 200):
             x = torch.randn(m, 576).bfloat16()

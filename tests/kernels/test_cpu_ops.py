@@ -129,7 +129,7 @@ def test_fused_ops_follow_the_backend_and_the_switch(monkeypatch) -> None:
     assert kernels.fused_ops(x.to(torch.int64)) is None
     with kernels.use_backend("torch"):
         assert kernels.fused_ops(x) is None
-    monkeypatch.setenv("PAGEDSERVE_CPU_FUSED", "0")
+    monkeypatch.setattr(kernels, "FUSED", False)  # PAGEDSERVE_CPU_FUSED=0 at import
     assert kernels.fused_ops(x) is None
 
 

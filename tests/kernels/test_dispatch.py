@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -16,7 +17,7 @@ from tests.kernels.batches import DEVICE, contiguous_attention, make_batch, max_
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Records which implementation each op reached, still running it."""
-    monkeypatch.delenv("PAGEDSERVE_KERNELS", raising=False)
+    monkeypatch.setattr(kernels, "ENV_BACKEND", "auto")
     seen: list[str] = []
     for module, name in [(reference, "torch"), (cpu, "cpu"), (attention, "triton"), (cache, "triton")]:
         for op in ("paged_attention", "write_kv", "copy_blocks"):
@@ -48,16 +49,22 @@ def test_auto_picks_by_device(calls: list[str]) -> None:
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_env_forces_backend_at_call_time(calls: list[str], monkeypatch: pytest.MonkeyPatch,
-                                         backend: str) -> None:
-    monkeypatch.setenv("PAGEDSERVE_KERNELS", backend)
+def test_env_forces_backend(calls: list[str], monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    monkeypatch.setattr(kernels, "ENV_BACKEND", backend)  # PAGEDSERVE_KERNELS, read at import
     _run_all_ops(calls)
     assert calls == [backend] * 3
 
 
+def test_env_backend_is_read_at_import() -> None:
+    code = "import pagedserve.kernels as k; print(k.ENV_BACKEND, k.FUSED)"
+    env = {**os.environ, "PAGEDSERVE_KERNELS": "torch", "PAGEDSERVE_CPU_FUSED": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["torch", "False"]
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_use_backend_overrides_env(calls: list[str], monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
-    monkeypatch.setenv("PAGEDSERVE_KERNELS", "torch" if backend == "triton" else "triton")
+    monkeypatch.setattr(kernels, "ENV_BACKEND", "torch" if backend == "triton" else "triton")
     with kernels.use_backend(backend):
         _run_all_ops(calls)
     assert calls == [backend] * 3
@@ -67,7 +74,7 @@ def test_use_backend_overrides_env(calls: list[str], monkeypatch: pytest.MonkeyP
 
 
 def test_unknown_env_backend_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PAGEDSERVE_KERNELS", "tritonn")
+    monkeypatch.setattr(kernels, "ENV_BACKEND", "tritonn")
     with pytest.raises(ValueError, match="PAGEDSERVE_KERNELS"):
         _run_all_ops([])
 
