@@ -53,15 +53,34 @@ constexpr int RMAX = 4;  // rows of x a pass over a panel's blocks takes
 #if defined(PAGEDSERVE_BLOCKS_BF16)
 // y[r, 0:cols] for R rows of x (ldx bf16 a row) against one panel's records; sums [R, blocks]: each
 // block's sum of x (Q4_1's m term).
+// bf16 of 0..15, twice: vpermw reads an index's low 5 bits, so a word holding a whole byte reads
+// its low nibble (bit 4, the high nibble's lowest, picks the second copy, the same values)
+inline __m512i nibble_table() {
+  return _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0,
+                          0x4080, 0x4040, 0x4000, 0x3f80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120,
+                          0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
+}
+
+// A Q4_1 record's row pair t as bf16 integers: q of k = 4 t, 4 t + 1 (lo) and of k = 4 t + 2,
+// 4 t + 3 (hi), feature n's pair in lane n (a vdpbf16ps operand; AMX's B rows 2 t and 2 t + 1).
+inline void q4_rows(const uint8_t* rec, int t, __m512i table, __m512i& lo, __m512i& hi) {
+  const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * t)));
+  lo = _mm512_permutexvar_epi16(bytes, table);
+  hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
+}
+
+// A Q8_0 record's row t (k = 2 t, 2 t + 1 of each feature) as bf16 integers (exact: |q| <= 127).
+inline __m512bh q8_row(const uint8_t* rec, int t) {
+  const __m128i* src = reinterpret_cast<const __m128i*>(rec + 32 * t);
+  const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src)));
+  const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src + 1)));
+  return _mm512_cvtne2ps_pbh(f1, f0);
+}
+
 template <int R, bool Q8>
 void panel_rows(const at::BFloat16* x, int64_t ldx, const uint8_t* rec, const float* sums, int64_t blocks,
                 const float* bias, at::BFloat16* y, int64_t ldy, int64_t cols) {
-  // bf16 of 0..15, twice: vpermw reads an index's low 5 bits, so a word holding a whole byte reads
-  // its low nibble (bit 4, the high nibble's lowest, picks the second copy, the same values)
-  const __m512i table = _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0,
-                                         0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000, 0x4170, 0x4160,
-                                         0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0,
-                                         0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
+  const __m512i table = nibble_table();
   constexpr int C = R == 1 ? 4 : 2;  // accumulators a row: independent vdpbf16ps chains
   const __mmask16 mask = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
   const __m512 b0 = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
@@ -79,21 +98,17 @@ void panel_rows(const at::BFloat16* x, int64_t ldx, const uint8_t* rec, const fl
     const int64_t k0 = b * KB;
     if constexpr (!Q8) {
       for (int t = 0; t < 8; ++t) {
-        const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * t)));
-        const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(bytes, table);
-        const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
+        __m512i lo, hi;
+        q4_rows(rec, t, table, lo, hi);
         const int c = R == 1 ? 2 * (t & 1) : 0;
         for (int r = 0; r < R; ++r) {
-          acc[r][c] = _mm512_dpbf16_ps(acc[r][c], lo, pair(r, k0 + 4 * t));
-          acc[r][c + 1] = _mm512_dpbf16_ps(acc[r][c + 1], hi, pair(r, k0 + 4 * t + 2));
+          acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)lo, pair(r, k0 + 4 * t));
+          acc[r][c + 1] = _mm512_dpbf16_ps(acc[r][c + 1], (__m512bh)hi, pair(r, k0 + 4 * t + 2));
         }
       }
     } else {
       for (int t = 0; t < 16; ++t) {
-        const __m128i* src = reinterpret_cast<const __m128i*>(rec + 32 * t);
-        const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src)));
-        const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src + 1)));
-        const __m512bh w = _mm512_cvtne2ps_pbh(f1, f0);  // exact: |q| <= 127
+        const __m512bh w = q8_row(rec, t);
         const int c = R == 1 ? t & 3 : t & 1;
         for (int r = 0; r < R; ++r) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w, pair(r, k0 + 2 * t));
       }
@@ -150,22 +165,15 @@ void load_tiles(int rows) {
 template <bool Q8>
 void expand_block(const uint8_t* rec, uint16_t* dst) {
   if constexpr (!Q8) {
-    const __m512i table = _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0,
-                                           0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000, 0x4170, 0x4160,
-                                           0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0,
-                                           0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
+    const __m512i table = nibble_table();
     for (int t = 0; t < 8; ++t) {
-      const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * t)));
-      _mm512_store_si512(dst + 64 * t, _mm512_permutexvar_epi16(bytes, table));
-      _mm512_store_si512(dst + 64 * t + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table));
+      __m512i lo, hi;
+      q4_rows(rec, t, table, lo, hi);
+      _mm512_store_si512(dst + 64 * t, lo);
+      _mm512_store_si512(dst + 64 * t + 32, hi);
     }
   } else {
-    for (int t = 0; t < 16; ++t) {
-      const __m128i* src = reinterpret_cast<const __m128i*>(rec + 32 * t);
-      const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src)));
-      const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src + 1)));
-      _mm512_store_si512(dst + 32 * t, (__m512i)_mm512_cvtne2ps_pbh(f1, f0));  // exact: |q| <= 127
-    }
+    for (int t = 0; t < 16; ++t) _mm512_store_si512(dst + 32 * t, (__m512i)q8_row(rec, t));
   }
 }
 
