@@ -1,5 +1,5 @@
 """The CPU serving path: decode attention and the KV write in C++ (``cpu_decode.cpp``,
-``cpu_ops.cpp``), prefill attention from the reference. The same extension holds the fused
+``cpu_ops.cpp``), bf16 prefill attention in C++ (``cpu_prefill.cpp``). The same extension holds the fused
 elementwise ops of a decoder layer (RMSNorm with the residual add, rotary, SiLU-and-mul), which
 layers.py takes through ``kernels.fused_ops``: in eager torch each of those is 3-25 ops, ~40 a
 layer, and at decode batch sizes their dispatch and allocations cost more than their arithmetic.
@@ -9,8 +9,9 @@ release lets the replica's event loop thread in for up to the 5 ms switch interv
 Decode rows (one query token per sequence) go to a C++ kernel that reads K and V in place through
 the block tables: the reference gathers every sequence's KV into a workspace first and then runs
 a masked SDPA, which on CPU spent more time than the GEMMs at batch 16 (profiled on SmolLM2:
-gather 9.8 ms and SDPA 14 ms a step, against 19 ms of linears). Prefill and extend chunks, which
-SDPA handles well, run the reference. The same signatures as ``reference.py``.
+gather 9.8 ms and SDPA 14 ms a step, against 19 ms of linears). Prefill and extend chunks in bf16
+run ``cpu_prefill.cpp`` (AMX tiles, or AVX512-BF16 where the CPU has no AMX: prefill_enabled),
+others the reference's SDPA. The same signatures as ``reference.py``.
 
 The extension is compiled on first use (torch's cpp_extension, ``-O3 -march=native``, about a
 minute) into ``$PAGEDSERVE_CACHE_DIR/torch_extensions`` keyed by the sources, torch's version and
@@ -139,12 +140,27 @@ def gemm_enabled(dtype: torch.dtype) -> bool:
     return "avx512f" not in flags if dtype == torch.float32 else "amx_bf16" not in flags
 
 
+# bf16 prefill chunks through cpu_prefill.cpp's AMX tiles where the CPU has AMX-BF16 and the OS
+# grants its tiles; PAGEDSERVE_CPU_PREFILL_AMX=0 keeps torch's SDPA there (read once, at import).
+PREFILL_AMX = os.environ.get("PAGEDSERVE_CPU_PREFILL_AMX", "1") != "0"
+
+
+def prefill_amx_enabled() -> bool:
+    """Whether paged_prefill runs on AMX tiles (see PREFILL_AMX)."""
+    ext = extension()
+    return ext is not None and PREFILL_AMX and ext.prefill_amx_available()
+
+
 def prefill_enabled() -> bool:
     """Whether bf16 prefill chunks take cpu_prefill.cpp's kernel (KV read through the block table)
-    instead of gathering KV for torch's SDPA: where it was built (AVX512-BF16) and the CPU has no
-    AMX. With AMX, SDPA's GEMMs run on oneDNN's AMX kernels and the gather costs less than they
-    save: on a 2-vCPU Sapphire Rapids VM, SmolLM2 bf16, a whole step of 256 new tokens over 768
-    took 144 ms with SDPA against 187-200 with the kernel, 1024 new tokens 374-456 against 536-730.
+    instead of gathering KV for torch's SDPA: where it was built (AVX512-BF16), through AMX tiles
+    where the CPU has AMX (prefill_amx_enabled). Without the tiles, SDPA's own AMX GEMMs beat the
+    AVX512-BF16 loop: on a 2-vCPU Sapphire Rapids VM, SmolLM2 bf16, a whole step of 256 new tokens
+    over 768 took 144 ms with SDPA against 187-200 with the loop, 1024 new tokens 374-456 against
+    536-730. With the tiles (2-vCPU Xeon VM, 2026-12-07, one thread, SmolLM2's 9 x 64 query and 3 KV
+    heads): a fresh 256-token chunk 0.78 ms (SDPA with its KV gather) -> 0.36-0.38 a layer, 256 after
+    512 cached 2.3 -> 1.1 ms, 2048 fresh 21.7 -> 14.8; a prefill step of 8 x 256 tokens 707-735 ->
+    630-639 ms.
     ``PAGEDSERVE_CPU_PREFILL=1`` or ``0`` decides instead, where the kernel was built."""
     ext = extension()
     if ext is None or not ext.prefill_bf16_available():
@@ -152,7 +168,7 @@ def prefill_enabled() -> bool:
     forced = os.environ.get("PAGEDSERVE_CPU_PREFILL")
     if forced is not None:
         return forced != "0"
-    return "amx_bf16" not in _cpu_flags()
+    return "amx_bf16" not in _cpu_flags() or prefill_amx_enabled()
 
 
 def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
@@ -208,12 +224,13 @@ def paged_attention(
                                               scale, sliding_window))  # fmt: skip
     fast = (query.dtype == torch.bfloat16 and query.shape[-1] % 16 == 0 and query.shape[-1] <= 256
             and k_cache.is_contiguous() and v_cache.is_contiguous() and prefill_enabled())  # fmt: skip
+    amx = fast and prefill_amx_enabled()
     for b in layout.extends:
         rows = slice(layout.starts[b], layout.starts[b] + layout.q_lens[b])
-        if fast:  # bf16, AVX512-BF16, no AMX: cpu_prefill.cpp, KV read through the table (no SDPA)
+        if fast:  # bf16: cpu_prefill.cpp (AMX tiles or AVX512-BF16), KV read through the table
             table = block_tables[b] if block_tables.dtype == torch.int32 else block_tables[b].int()
             out[rows] = ext.paged_prefill(query[rows], k_cache, v_cache, table, layout.lens[b], scale,
-                                          sliding_window or 0)  # fmt: skip
+                                          sliding_window or 0, amx)  # fmt: skip
         else:
             out[rows] = reference._extend(query[rows], k_cache, v_cache, layout, b, scale, sliding_window)
     return out

@@ -725,8 +725,9 @@ at::Tensor linear_onednn_split(const at::Tensor& x, const std::vector<at::Tensor
                                const std::vector<int64_t>& starts, const c10::optional<at::Tensor>& bias);
 // cpu_prefill.cpp
 bool prefill_bf16_available();
+bool prefill_amx_available();
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                         const at::Tensor& table, int64_t seq_len, double scale, int64_t window);
+                         const at::Tensor& table, int64_t seq_len, double scale, int64_t window, bool use_amx);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over KV read in place (CPU); share_blocks: "
@@ -738,7 +739,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "each fp32 row's argmax, as torch.argmax(dim=-1)");
   m.def("write_kv", &write_kv, "store K/V rows at their slots of the paged pools");
   m.def("prefill_bf16_available", &prefill_bf16_available, "whether the AVX512-BF16 prefill attention was built");
-  m.def("paged_prefill", &paged_prefill, "one sequence's prefill chunk attending to its paged KV (bf16)");
+  m.def("prefill_amx_available", &prefill_amx_available, "whether paged_prefill can run on AMX tiles (built and "
+        "granted)");
+  m.def("paged_prefill", &paged_prefill, "one sequence's prefill chunk attending to its paged KV (bf16); use_amx: "
+        "on AMX tiles where available (head dims up to 128)");
   m.def("gemm_available", &gemm_available, "whether the AVX2 fp32 linear kernel was built");
   m.def("gemm_bf16_available", &gemm_bf16_available, "whether the AVX512-BF16 bf16 linear kernel was built");
   m.def("pack_linear", &pack_linear, "a weight [N, K] packed into panels (fp32: 16 features, bf16: 32 x 2 k)");

@@ -27,7 +27,13 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include "cpu_vec.h"
 #define PAGEDSERVE_PREFILL_BF16 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PAGEDSERVE_PREFILL_AMX 1
 #endif
+#endif
+
+// cpu_blocks_bf16.cpp: built for AMX-BF16 and Linux granted this process the tiles
+bool blocks_amx_available();
 
 namespace {
 
@@ -86,21 +92,71 @@ inline void pv16(float* ot, int64_t D, __m512 alpha, const __m512bh* pp, const a
   }
 }
 
+// The tile's queries as bf16 pairs: qp[d2] lane q = (Q[t0 + q, 2 d2], Q[t0 + q, 2 d2 + 1]), zero
+// for lanes q >= nq. Also AMX's B operand for Q^T: rows d2, 16 queries of one pair each.
+inline void query_pairs(const Prefill& a, int64_t hq, int64_t t0, int64_t nq, __m512bh* qp) {
+  alignas(64) int32_t lanes[G];
+  for (int64_t d2 = 0; d2 < a.D / 2; ++d2) {
+    for (int64_t q = 0; q < G; ++q)
+      lanes[q] = q < nq ? reinterpret_cast<const int32_t*>(a.q + ((t0 + q) * a.Hq + hq) * a.D)[d2] : 0;
+    qp[d2] = (__m512bh)_mm512_load_si512(lanes);
+  }
+}
+
+// Which of the 16 lanes (queries at positions pos) see key j: causal, before seq_len, in the window.
+inline __mmask16 visible(const Prefill& a, __m512i pos, int64_t j, __mmask16 live) {
+  if (j >= a.seq_len) return 0;
+  __mmask16 v = _mm512_cmp_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(j)), _MM_CMPINT_NLT);  // pos >= j
+  if (a.window > 0)  // j > pos - window, i.e. pos < j + window
+    v &= _mm512_cmp_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(j + a.window)), _MM_CMPINT_LT);
+  return v & live;
+}
+
+// c[j] = column j of the 16 x 16 fp32 rows r (r is overwritten)
+inline void transpose16(__m512* r, __m512* c) {
+  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: a0 b0 a1 b1, a2 b2 a3 b3
+    const __m512 lo = _mm512_unpacklo_ps(r[i], r[i + 1]), hi = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    r[i] = lo, r[i + 1] = hi;
+  }
+  __m512 u[16];  // u[4 g + j], 128-bit lane L: column 4 L + j of rows 4 g .. 4 g + 3
+  for (int i = 0; i < 16; i += 4) {
+    u[i] = _mm512_shuffle_ps(r[i], r[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm512_shuffle_ps(r[i], r[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm512_shuffle_ps(r[i + 1], r[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm512_shuffle_ps(r[i + 1], r[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int j = 0; j < 4; ++j) {  // lane L of u[j], u[4 + j], u[8 + j], u[12 + j] is column 4 L + j
+    const __m512 x0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x88), x1 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xDD);
+    const __m512 y0 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x88);
+    const __m512 y1 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xDD);
+    c[j] = _mm512_shuffle_f32x4(x0, y0, 0x88);
+    c[4 + j] = _mm512_shuffle_f32x4(x1, y1, 0x88);
+    c[8 + j] = _mm512_shuffle_f32x4(x0, y0, 0xDD);
+    c[12 + j] = _mm512_shuffle_f32x4(x1, y1, 0xDD);
+  }
+}
+
+// out[t0 + q, hq, :] = O^T[:, q] / l[q] for the tile's live queries (ot 64-byte aligned), rounded
+// to bf16 to nearest even: 16 features at a time through a 16 x 16 transpose
+inline void store_tile(const Prefill& a, int64_t hq, int64_t t0, int64_t nq, const float* ot, __m512 l) {
+  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l);
+  for (int64_t d0 = 0; d0 < a.D; d0 += G) {
+    __m512 r[G], c[G];
+    for (int64_t i = 0; i < G; ++i) r[i] = _mm512_mul_ps(_mm512_load_ps(ot + (d0 + i) * G), inv);
+    transpose16(r, c);
+    for (int64_t q = 0; q < nq; ++q)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.out + ((t0 + q) * a.Hq + hq) * a.D + d0),
+                          (__m256i)_mm512_cvtneps_pbh(c[q]));
+  }
+}
+
 // One tile: queries t0 .. t0 + 15 (those < T) of query head hq, against the keys gathered for its KV
 // head (kc [L][D], vt [D][L], L = ldv keys from kbase on).
 void prefill_tile(const Prefill& a, int64_t hq, int64_t t0, const at::BFloat16* kc, const at::BFloat16* vt,
                   int64_t ldv) {
   const int64_t D = a.D, nq = std::min(G, a.T - t0);
-  // the tile's queries as bf16 pairs: qp[d2] lane q = (Q[t0 + q, 2 d2], Q[t0 + q, 2 d2 + 1])
   std::vector<__m512bh> qp(D / 2);
-  {
-    alignas(64) int32_t lanes[G];
-    for (int64_t d2 = 0; d2 < D / 2; ++d2) {
-      for (int64_t q = 0; q < G; ++q)
-        lanes[q] = q < nq ? reinterpret_cast<const int32_t*>(a.q + ((t0 + q) * a.Hq + hq) * D)[d2] : 0;
-      qp[d2] = (__m512bh)_mm512_load_si512(lanes);
-    }
-  }
+  query_pairs(a, hq, t0, nq, qp.data());
   alignas(64) float ot[256 * G];  // O^T [D][16], D <= 256
   std::memset(ot, 0, sizeof(float) * D * G);
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -129,12 +185,7 @@ void prefill_tile(const Prefill& a, int64_t hq, int64_t t0, const at::BFloat16* 
     for (int64_t k = 0; k < G; ++k) {
       s[k] = _mm512_mul_ps(s[k], scale);
       if (!full) {
-        const int64_t j = j0 + k;
-        const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(j));
-        __mmask16 v = j < a.seq_len ? _mm512_cmp_epi32_mask(pos, key, _MM_CMPINT_NLT) : 0;  // pos >= j
-        if (a.window > 0)  // j > pos - window, i.e. pos < j + window
-          v &= _mm512_cmp_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(j + a.window)), _MM_CMPINT_LT);
-        vis[k] = v & live;
+        vis[k] = visible(a, pos, j0 + k, live);
         s[k] = _mm512_mask_blend_ps(vis[k], _mm512_set1_ps(kMasked), s[k]);
       }
       mx = _mm512_max_ps(mx, s[k]);
@@ -159,14 +210,129 @@ void prefill_tile(const Prefill& a, int64_t hq, int64_t t0, const at::BFloat16* 
     }
     pv16(ot, D, alpha, pp, vt + r0, ldv);
   }
-  // out[t0 + q, hq, :] = O^T[:, q] / l[q]
-  alignas(64) float inv[G];
-  _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
-  for (int64_t q = 0; q < nq; ++q) {
-    at::BFloat16* o = a.out + ((t0 + q) * a.Hq + hq) * D;
-    for (int64_t d = 0; d < D; ++d) o[d] = static_cast<at::BFloat16>(ot[d * G + q] * inv[q]);
-  }
+  store_tile(a, hq, t0, nq, ot, l);
 }
+
+#if defined(PAGEDSERVE_PREFILL_AMX)
+// The same tile through AMX (CPUs with AMX-BF16), in three passes over the keys it sees instead of
+// one online pass: the scores need no rescaling, so P.V can accumulate in tiles.
+//
+// Why: with AMX, torch's SDPA (oneDNN-free flash attention) ran a 256-token prefill of SmolLM2 at
+// ~0.56 ms a sequence and layer on one core (a fifth of a 2048-token prefill step on a 2-vCPU
+// Xeon VM, 2026-12-06), and the AVX512-BF16 loop above was slower still than that.
+//
+// 1. S^T [keys][16 queries] a group of 16 keys at a time: C = K rows (A, from kc, 32 features a
+//    step) times the tile's query pairs (B: qp, the loop's own layout), stored to sbuf; scaled,
+//    masked as above, and the lanes' maxima taken.
+// 2. P = exp(S - max) rounded to bf16, two keys' probabilities interleaved per lane (pbuf [keys / 2]
+//    [16][2]: AMX's pair layout of P^T), l = their sum per lane.
+// 3. O^T [D][16] = V^T (A, from vt, 32 keys a step) times P^T (B, from pbuf), a C tile per 16
+//    features accumulated over all keys, stored to ot.
+// Groups run from a multiple of 32 keys (kc and vt are padded to one) so that step 3 takes whole
+// tiles; keys before the first one seen are masked like the rest.
+//
+// Tiles: 0 A, 1 B, 2 C for the scores; 3 A, 4 B, 5 C for P.V (16 rows x 64 bytes each).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+template <typename T>
+T* aligned64(T* p) {
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
+}
+
+void load_prefill_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 6; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  // GCC 12 does not see ldtilecfg read cfg and drops the stores above without this barrier
+  __asm__ __volatile__("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+// a row of 32 bf16 ones (A of the probability sums: loaded with stride 0, every row the same)
+alignas(64) constexpr uint16_t kOnes[2 * G] = {0x3f80, 0x3f80, 0x3f80, 0x3f80, 0x3f80, 0x3f80, 0x3f80, 0x3f80,
+                                               0x3f80, 0x3f80, 0x3f80, 0x3f80, 0x3f80, 0x3f80, 0x3f80, 0x3f80,
+                                               0x3f80, 0x3f80, 0x3f80, 0x3f80, 0x3f80, 0x3f80, 0x3f80, 0x3f80,
+                                               0x3f80, 0x3f80, 0x3f80, 0x3f80, 0x3f80, 0x3f80, 0x3f80, 0x3f80};
+
+void prefill_tile_amx(const Prefill& a, int64_t hq, int64_t t0, const at::BFloat16* kc, const at::BFloat16* vt,
+                      int64_t ldv, std::vector<float>& sbuf, std::vector<int32_t>& pbuf) {
+  const int64_t D = a.D, nq = std::min(G, a.T - t0);
+  alignas(64) __m512bh qp[128];  // D <= 256
+  query_pairs(a, hq, t0, nq, qp);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i pos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(a.first + t0)), lane);
+  const __mmask16 live = static_cast<__mmask16>(nq >= G ? 0xffff : (1u << nq) - 1);
+  const int64_t pos_lo = a.first + t0, pos_hi = a.first + t0 + nq - 1;
+  const int64_t key_end = std::min(a.seq_len, pos_hi + 1);
+  int64_t key_begin = a.kbase;
+  if (a.window > 0) key_begin = std::max(key_begin, pos_lo - a.window + 1);
+  const int64_t r_begin = (key_begin - a.kbase) / (2 * G) * (2 * G);
+  const int64_t r_end = (key_end - a.kbase + 2 * G - 1) / (2 * G) * (2 * G);  // <= ldv
+  const int64_t n = r_end - r_begin;
+  // both 64-byte aligned (whole zmm rows): 16 spare elements
+  if (static_cast<int64_t>(sbuf.size()) < n * G + G) sbuf.resize(n * G + G);
+  if (static_cast<int64_t>(pbuf.size()) < n * G / 2 + G) pbuf.resize(n * G / 2 + G);
+  float* sb = aligned64(sbuf.data());
+  __m512 m = _mm512_set1_ps(kMasked);  // of the unscaled scores (the scale is applied in step 2)
+  // 1. scores
+  for (int64_t r = 0; r < n; r += G) {
+    const int64_t j0 = a.kbase + r_begin + r;
+    _tile_zero(2);
+    for (int64_t d2 = 0; d2 < D / 2; d2 += G) {
+      _tile_loadd(0, kc + (r_begin + r) * D + 2 * d2, D * 2);
+      _tile_loadd(1, qp + d2, 64);
+      _tile_dpbf16ps(2, 0, 1);
+    }
+    float* s = sb + r * G;
+    _tile_stored(2, s, 64);
+    const bool full = j0 + G - 1 <= pos_lo && j0 + G <= a.seq_len && (a.window <= 0 || j0 > pos_hi - a.window);
+    if (full) {
+      __m512 m0 = _mm512_load_ps(s), m1 = _mm512_load_ps(s + G);
+      for (int64_t k = 2; k < G; k += 2)
+        m0 = _mm512_max_ps(m0, _mm512_load_ps(s + k * G)), m1 = _mm512_max_ps(m1, _mm512_load_ps(s + (k + 1) * G));
+      m = _mm512_max_ps(m, _mm512_max_ps(m0, m1));
+      continue;
+    }
+    for (int64_t k = 0; k < G; ++k) {
+      const __m512 v = _mm512_mask_blend_ps(visible(a, pos, j0 + k, live), _mm512_set1_ps(kMasked),
+                                            _mm512_load_ps(s + k * G));
+      _mm512_store_ps(s + k * G, v);
+      m = _mm512_max_ps(m, v);
+    }
+  }
+  // 2. probabilities: masked scores are kMasked, and exp(kMasked - m) is 0 in every lane that sees
+  // a key (the dead lanes' sums are never read)
+  alignas(64) int16_t order[2 * G];
+  for (int q = 0; q < G; ++q) order[2 * q] = static_cast<int16_t>(q), order[2 * q + 1] = static_cast<int16_t>(G + q);
+  const __m512i interleave = _mm512_load_si512(order);
+  const __m512 scale = _mm512_set1_ps(a.scale), ms = _mm512_mul_ps(m, scale);
+  int32_t* pb = aligned64(pbuf.data());
+  for (int64_t k = 0; k < n; k += 2) {
+    const __m512 pa = exp512(_mm512_fmsub_ps(_mm512_load_ps(sb + k * G), scale, ms));
+    const __m512 pbv = exp512(_mm512_fmsub_ps(_mm512_load_ps(sb + (k + 1) * G), scale, ms));
+    const __m512i bits = (__m512i)_mm512_cvtne2ps_pbh(pbv, pa);  // lanes 0-15: pa, 16-31: pb
+    _mm512_store_si512(pb + k / 2 * G, _mm512_permutexvar_epi16(interleave, bits));
+  }
+  // 3. O^T = V^T P^T; and l, each lane's sum of its bf16 probabilities, as a row of ones times P^T
+  alignas(64) float ot[(256 + G) * G];  // D <= 256 rows, then the ones' row block
+  for (int64_t f = 0; f <= D; f += G) {
+    _tile_zero(5);
+    for (int64_t r = 0; r < n; r += 2 * G) {
+      if (f < D)
+        _tile_loadd(3, vt + f * ldv + r_begin + r, ldv * 2);
+      else
+        _tile_loadd(3, kOnes, 0);
+      _tile_loadd(4, pb + r / 2 * G, 64);
+      _tile_dpbf16ps(5, 3, 4);
+    }
+    _tile_stored(5, ot + f * G, 64);
+  }
+  store_tile(a, hq, t0, nq, ot, _mm512_load_ps(ot + D * G));
+}
+#endif
 #endif
 
 }  // namespace
@@ -179,11 +345,22 @@ bool prefill_bf16_available() {
 #endif
 }
 
+// whether paged_prefill can run on AMX tiles here (built for AMX-BF16, and Linux granted the tiles)
+bool prefill_amx_available() {
+#if defined(PAGEDSERVE_PREFILL_AMX)
+  return blocks_amx_available();
+#else
+  return false;
+#endif
+}
+
 // Attention of one sequence's prefill chunk: q [T, Hq, D] (its positions seq_len - T .. seq_len - 1)
 // over its KV in the pools [blocks, block_size, Hkv, D] through its block table (int32, blocks from
 // position 0 on), causal, and with a sliding window of `window` keys when window > 0. bf16 only.
+// On AMX tiles where `use_amx` and prefill_amx_available() (head dims of 32, 64, 96 or 128: whole
+// tile steps of 32 features), else the loop.
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                         const at::Tensor& table, int64_t seq_len, double scale, int64_t window) {
+                         const at::Tensor& table, int64_t seq_len, double scale, int64_t window, bool use_amx) {
   TORCH_CHECK(prefill_bf16_available(), "paged_prefill: built without AVX512-BF16");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
                   v_cache.scalar_type() == at::kBFloat16, "paged_prefill: bf16 only");
@@ -202,7 +379,7 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
   const int64_t first = seq_len - T;
   // keys before the first query's window are never read
   const int64_t kbase = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
-  const int64_t L = seq_len - kbase, Lp = (L + G - 1) / G * G;
+  const int64_t L = seq_len - kbase, Lp = (L + 2 * G - 1) / (2 * G) * (2 * G);  // whole AMX steps of 32 keys
   // K gathered [Hkv][Lp][D] and V transposed [Hkv][D][Lp], zero past the last key
   at::Tensor kc = at::zeros({Hkv, Lp, D}, qc.options());
   at::Tensor vt = at::zeros({Hkv, D, Lp}, qc.options());
@@ -225,12 +402,30 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
   const Prefill a{qc.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), T, Hq, Hkv, D, first, seq_len, kbase,
                   window, static_cast<float>(scale)};
   const int64_t tiles = (T + G - 1) / G, group = Hq / Hkv;
+#if defined(PAGEDSERVE_PREFILL_AMX)
+  if (use_amx && D % 32 == 0 && D <= 128 && prefill_amx_available()) {
+    at::parallel_for(0, Hq * tiles, 1, [&](int64_t w0, int64_t w1) {
+      std::vector<float> sbuf;
+      std::vector<int32_t> pbuf;
+      load_prefill_tiles();
+      for (int64_t w = w0; w < w1; ++w) {
+        const int64_t hq = w / tiles, t0 = (w % tiles) * G, h = hq / group;
+        prefill_tile_amx(a, hq, t0, kcp + h * Lp * D, vtp + h * D * Lp, Lp, sbuf, pbuf);
+      }
+      _tile_release();
+    });
+    return out;
+  }
+#endif
+  (void)use_amx;
   at::parallel_for(0, Hq * tiles, 1, [&](int64_t w0, int64_t w1) {
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t hq = w / tiles, t0 = (w % tiles) * G, h = hq / group;
       prefill_tile(a, hq, t0, kcp + h * Lp * D, vtp + h * D * Lp, Lp);
     }
   });
+#else
+  (void)use_amx;
 #endif
   return out;
 }

@@ -98,41 +98,74 @@ prefill_kernel = pytest.mark.skipif(cpu.extension() is None or not cpu.extension
                                     reason="the CPU has no AVX512-BF16")  # fmt: skip
 
 
+# the kernel's two ways: AMX tiles (where the CPU has them and Linux grants them), the AVX512-BF16 loop
+PREFILL_PATHS = [
+    pytest.param(False, id="avx512"),
+    pytest.param(True, id="amx", marks=pytest.mark.skipif(
+        cpu.extension() is None or not cpu.extension().prefill_amx_available(), reason="no AMX tiles here")),
+]  # fmt: skip
+
+
 @prefill_kernel
+@pytest.mark.parametrize("amx", PREFILL_PATHS)
 @pytest.mark.parametrize("window", [None, 1, 7, 100])
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)], ids=lambda h: f"{h[0]}q{h[1]}kv")
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])  # 80: not whole AMX steps, the loop runs instead
 @pytest.mark.parametrize("block_size", [8, 16])
-def test_bf16_prefill_kernel_matches_contiguous(monkeypatch, window, heads, head_dim, block_size) -> None:
-    monkeypatch.setenv("PAGEDSERVE_CPU_PREFILL", "1")  # by default not on CPUs with AMX (below)
+def test_bf16_prefill_kernel_matches_contiguous(monkeypatch, amx, window, heads, head_dim,
+                                                block_size) -> None:  # fmt: skip
+    monkeypatch.setenv("PAGEDSERVE_CPU_PREFILL", "1")
+    monkeypatch.setattr(cpu, "PREFILL_AMX", amx)
     ext = cpu.extension()
     calls = []
     real = ext.paged_prefill
-    monkeypatch.setattr(ext, "paged_prefill", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(ext, "paged_prefill", lambda *a: calls.append((a[0].shape[0], a[7])) or real(*a))
     batch = make_batch(PREFILL, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
                        block_size=block_size, dtype=torch.bfloat16, share={2: 1})  # fmt: skip
     scale = head_dim**-0.5
     out = cpu.paged_attention(*batch.args(), scale=scale, sliding_window=window, max_query_len=300)
-    assert sorted(calls) == sorted(q for _, q in PREFILL if q > 1), "every chunk of 2+ queries runs it"
+    assert sorted(calls) == sorted((q, amx) for _, q in PREFILL if q > 1), "every chunk of 2+ queries runs it"
     expected = contiguous_attention(batch, scale=scale, sliding_window=window)
     assert max_error(out, expected) < TOLERANCE[torch.bfloat16]
 
 
 @prefill_kernel
+def test_bf16_prefill_paths_agree_on_long_chunks(monkeypatch) -> None:
+    """Chunks of 2048 queries, and of 64 after 1984 cached tokens (many key groups: the AMX path's
+    buffers grow, its scores are taken over all keys before any probability), against SDPA over
+    the same KV, on both paths; the AMX path only where it runs."""
+    ext = cpu.extension()
+    batch = make_batch([(2048, 2048), (2048, 64)], num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
+                       dtype=torch.bfloat16)  # fmt: skip
+    expected = contiguous_attention(batch, scale=0.125)
+    monkeypatch.setenv("PAGEDSERVE_CPU_PREFILL", "1")
+    for amx in (False, True) if ext.prefill_amx_available() else (False,):
+        monkeypatch.setattr(cpu, "PREFILL_AMX", amx)
+        out = cpu.paged_attention(*batch.args(), scale=0.125, max_query_len=2048)
+        assert max_error(out, expected) < TOLERANCE[torch.bfloat16], amx
+
+
+@prefill_kernel
 @pytest.mark.parametrize("amx", [False, True])
-def test_bf16_prefill_takes_the_kernel_by_default_only_without_amx(monkeypatch, amx) -> None:
-    """With AMX, prefill chunks gather KV for SDPA (oneDNN's AMX GEMMs); without, the kernel runs.
-    PAGEDSERVE_CPU_PREFILL decides instead when set. Either way the result is attention's."""
+@pytest.mark.parametrize("tiles", [False, True], ids=["no-tiles", "tiles"])
+def test_bf16_prefill_takes_the_kernel_by_default_unless_amx_without_its_tiles(monkeypatch, amx,
+                                                                             tiles) -> None:  # fmt: skip
+    """Without AMX the loop runs; with AMX the kernel runs on its tiles, and where the tiles do not
+    (PAGEDSERVE_CPU_PREFILL_AMX=0 or not granted) chunks gather KV for SDPA (oneDNN's AMX GEMMs
+    beat the loop). PAGEDSERVE_CPU_PREFILL decides instead when set. The result is attention's."""
     flags = {"avx512f", "avx512_bf16"} | ({"amx_bf16", "amx_tile"} if amx else set())
     monkeypatch.setattr(cpu, "_cpu_flags", lambda: frozenset(flags))
     ext = cpu.extension()
+    monkeypatch.setattr(cpu, "PREFILL_AMX", tiles)
+    tiles = tiles and ext.prefill_amx_available()
     calls = []
     real = ext.paged_prefill
     monkeypatch.setattr(ext, "paged_prefill", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     batch = make_batch([(64, 64), (190, 45), (5, 1)], num_q_heads=9, num_kv_heads=3, head_dim=64,
                        block_size=16, dtype=torch.bfloat16)  # fmt: skip
     expected = contiguous_attention(batch, scale=0.125)
-    for forced, runs in ((None, not amx), ("0" if not amx else "1", amx)):
+    default = not amx or tiles
+    for forced, runs in ((None, default), ("0" if default else "1", not default)):
         if forced is None:
             monkeypatch.delenv("PAGEDSERVE_CPU_PREFILL", raising=False)
         else:
@@ -150,10 +183,10 @@ def test_bf16_prefill_kernel_rejects_what_it_cannot_run() -> None:
                        dtype=torch.bfloat16)  # fmt: skip
     q, k, v, tables = batch.args()[:4]
     with pytest.raises(RuntimeError, match="bf16 only"):
-        ext.paged_prefill(q.float(), k, v, tables[0].int(), 40, 0.125, 0)
+        ext.paged_prefill(q.float(), k, v, tables[0].int(), 40, 0.125, 0, False)
     with pytest.raises(RuntimeError, match="too short"):
-        ext.paged_prefill(q, k, v, tables[0, :1].int(), 40, 0.125, 0)
+        ext.paged_prefill(q, k, v, tables[0, :1].int(), 40, 0.125, 0, False)
     bad = tables[0].int().clone()
     bad[1] = 10**6
     with pytest.raises(RuntimeError, match="outside the pool"):
-        ext.paged_prefill(q, k, v, bad, 40, 0.125, 0)
+        ext.paged_prefill(q, k, v, bad, 40, 0.125, 0, False)
