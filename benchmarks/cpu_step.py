@@ -6,6 +6,8 @@ through ``Worker.execute`` (metadata, model, LM head, sampling: what a served st
 
 - ``fused``: the C++ fused RMSNorm / rotary / SiLU-and-mul / KV write (the default), against
   ``unfused`` (layers.py's torch code, PAGEDSERVE_CPU_FUSED=0);
+- ``module loop``: decode steps through the modules' Python loop over the layers, not the one C++
+  call of cpu_layers.cpp (PAGEDSERVE_CPU_DECODE_LAYERS=0; where that runs: bf16 GGUF blocks);
 - ``threads``: how many torch threads a step of each kind runs on (1 or 2);
 - ``dense panels``: the linear layers' weights in cpu_gemm.cpp's dense fp32 panels, not the GGUF
   Q4_1 / Q8_0 blocks the default keeps them in (fp32 on AVX2: cpu.gguf_blocks);
@@ -129,9 +131,9 @@ def main() -> None:
     kernels = {"default": default_gemm, "dense panels": {m: m.gemm_weight for m in linears},
                "oneDNN linears": {m: None for m in linears}}  # fmt: skip
     cores = os.cpu_count() or 1
-    variants = {"fused": ("1", None), "unfused": ("0", None), "fused 1 thread": ("1", 1),
-                f"fused {cores} threads": ("1", cores), "dense panels": ("1", None),
-                "oneDNN linears": ("1", None)}  # fmt: skip
+    variants = {"fused": ("1", None), "unfused": ("0", None), "module loop": ("1", None),
+                "fused 1 thread": ("1", 1), f"fused {cores} threads": ("1", cores),
+                "dense panels": ("1", None), "oneDNN linears": ("1", None)}  # fmt: skip
     workloads = {"decode b1": lambda: time_decode(w, 1, 300, args.steps),
                  "decode b4": lambda: time_decode(w, 4, 300, args.steps),
                  "decode b16": lambda: time_decode(w, 16, 300, args.steps),
@@ -140,6 +142,7 @@ def main() -> None:
     for _ in range(args.rounds):  # interleaved, so drift of the machine hits every variant alike
         for name, (fused, threads) in variants.items():
             kernel_ops.FUSED = fused == "1"
+            cpu_kernels.DECODE_LAYERS = name != "module loop"
             # threads None: the worker's own policy (its calibrated count for steps of <= 8 tokens)
             worker_module.SMALL_STEP_TOKENS = 8 if threads is None else 0
             w.max_threads = threads or cores
@@ -147,7 +150,7 @@ def main() -> None:
                 m.gemm_weight = g
             for wl, fn in workloads.items():
                 results[wl][name].append(fn())
-    kernel_ops.FUSED = True
+    kernel_ops.FUSED = cpu_kernels.DECODE_LAYERS = True
     for m, g in default_gemm.items():
         m.gemm_weight = g
     print(f"dtype {w.dtype}, {cores} cores, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}, "

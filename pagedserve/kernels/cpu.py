@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_decode.cpp", "cpu_ops.cpp", "cpu_gemm.cpp",
                                                             "cpu_prefill.cpp", "cpu_blocks_bf16.cpp",
-                                                            "cpu_onednn_split.cpp"))
+                                                            "cpu_onednn_split.cpp", "cpu_layers.cpp"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_vec.h", "cpu_pool.h"))
 copy_blocks = reference.copy_blocks
 swap_blocks = reference.swap_blocks
@@ -48,6 +48,17 @@ swap_blocks = reference.swap_blocks
 # benchmarks: the results are the same).
 SHARE_BLOCKS = os.environ.get("PAGEDSERVE_CPU_SHARE_BLOCKS", "1") != "0"
 _decode_threads = 0  # see set_decode_threads
+
+
+# Decode steps of a Llama-family model whose linear layers are all bf16 GGUF block records run
+# their decoder layers in one C++ call (cpu_layers.cpp; models/llama.py's _cpu_decode_layers).
+# PAGEDSERVE_CPU_DECODE_LAYERS=0 keeps the modules' Python loop (read once, at import).
+DECODE_LAYERS = os.environ.get("PAGEDSERVE_CPU_DECODE_LAYERS", "1") != "0"
+
+
+def decode_threads() -> int:
+    """The decode attention kernel's thread count (set_decode_threads; 0: torch's)."""
+    return _decode_threads
 
 
 def set_decode_threads(threads: int) -> None:

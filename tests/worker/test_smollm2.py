@@ -170,6 +170,46 @@ def test_bf16_gguf_blocks_match_transformers_and_answer(smollm2_dir: Path, smoll
     assert "Paris" in _greedy_answer(smollm2_dir, model, config, torch.bfloat16)
 
 
+def test_bf16_decode_layers_in_cpp_equal_the_modules(smollm2_dir: Path, monkeypatch) -> None:
+    """Decode steps of the served bf16 model (GGUF blocks on every linear) run their 30 layers in
+    one C++ call (kernels/cpu_layers.cpp): logits equal the modules' own loop bit for bit, over
+    batches that change and a sliding window, and prefill steps keep the loop. Off with the switch."""
+    from pagedserve.kernels import cpu
+    from pagedserve.worker.models import llama
+    from pagedserve.worker.worker import Worker
+
+    if not cpu.blocks_bf16_enabled() or cpu.gemm_enabled(torch.bfloat16):
+        pytest.skip("bf16 GGUF blocks serve CPUs with AVX512-BF16 and AMX")
+    worker = Worker(str(smollm2_dir), dtype="bfloat16")
+    model, config = worker.model, worker.hf_config
+    prompts = [_chat_ids(smollm2_dir, q) for q in QUESTIONS]
+    ran = []
+    real = llama._cpu_decode_layers
+    monkeypatch.setattr(llama, "_cpu_decode_layers", lambda *a: ran.append(r := real(*a)) or r)
+
+    def run(in_cpp: bool, window: int | None = None) -> list[torch.Tensor]:
+        monkeypatch.setattr(cpu, "DECODE_LAYERS", in_cpp)
+        for layer in model.model.layers[::2]:
+            layer.self_attn.attn.sliding_window = window
+        try:
+            pool = KVPool.for_model(config, num_blocks=32, block_size=16, dtype=torch.bfloat16)
+            return [logits for _, logits in prefill_then_decode(model, pool.kv_caches, prompts, 16, 32, 4)]
+        finally:
+            for layer in model.model.layers:
+                layer.self_attn.attn.sliding_window = None
+
+    for window in (None, 5):
+        ran.clear()
+        loop = run(False, window)
+        assert ran == [None] * 5, "the switch keeps every step in the modules"
+        ran.clear()
+        cpp = run(True, window)
+        assert ran[0] is None and all(r is not None for r in ran[1:]), "the prefill keeps the loop"
+        assert len(cpp) == len(loop)
+        for a, b in zip(cpp, loop, strict=True):
+            assert torch.equal(a, b)
+
+
 def test_bf16_decode_on_onednn_weights_split_over_the_pool_matches_transformers(
         smollm2_dir: Path, torch_threads) -> None:  # fmt: skip
     """As served on 2 cores in bf16: decode steps on one torch thread multiply oneDNN's weights

@@ -21,6 +21,7 @@ from transformers import PretrainedConfig
 from pagedserve.worker.layers import (
     Attention,
     AttentionMetadata,
+    Bf16Blocks,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -152,10 +153,66 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[Tensor, Tensor]]) -> Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        in_cpp = _cpu_decode_layers(self, hidden, positions, meta, kv_caches)
+        if in_cpp is not None:
+            hidden, residual = in_cpp
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+
+def _cpu_decode_layers(model: LlamaModel, hidden: Tensor, positions: Tensor, meta: AttentionMetadata,
+                       kv_caches: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor] | None:  # fmt: skip
+    """A decode step's decoder layers in one C++ call (kernels/cpu_layers.cpp: the same kernels in
+    the same order as the modules, results equal bit for bit) where every piece of them has one:
+    bf16 on the CPU backend with the fused ops, one token per sequence, one KV group of bf16
+    pools, every linear layer in bf16 GGUF block records for this many rows and without bias, no
+    per-head norms, one tensor-parallel rank. Returns the final norm's (hidden, residual), or None
+    where the modules' loop runs (``PAGEDSERVE_CPU_DECODE_LAYERS=0``: always)."""
+    from pagedserve import kernels
+
+    ops = kernels.fused_ops(hidden)
+    rows = hidden.shape[0]
+    if (ops is None or hidden.dtype != torch.bfloat16 or hidden.dim() != 2 or meta.max_query_len != 1
+            or meta.groups or meta.block_tables.shape[0] != rows or positions.dtype != torch.int64
+            or meta.slot_mapping.dtype != torch.int64):
+        return None  # fmt: skip
+    from pagedserve.kernels import cpu
+
+    if not cpu.DECODE_LAYERS or not hasattr(ops, "llama_decode_layers"):
+        return None
+    norms, records, features, q8, amx, windows = [], [], [], [], [], []
+    eps = model.layers[0].input_layernorm.eps
+    for layer, (k_cache, v_cache) in zip(model.layers, kv_caches, strict=True):
+        attn = layer.self_attn
+        if (attn.qk_norm or attn.o_proj.tp_size != 1 or k_cache.dtype != torch.bfloat16
+                or v_cache.dtype != torch.bfloat16 or layer.input_layernorm.eps != eps
+                or layer.post_attention_layernorm.eps != eps):
+            return None  # fmt: skip
+        for linear in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            blocks = linear.gemm_weight
+            if not isinstance(blocks, Bf16Blocks) or linear.bias is not None or rows > blocks.max_rows:
+                return None
+            records.append(blocks.records)
+            features.append(linear.weight.shape[0])
+            q8.append(blocks.q8)
+            amx.append(blocks.amx)
+        norms += (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        windows.append(attn.attn.sliding_window or 0)
+    first = model.layers[0].self_attn
+    tables, lens = meta.block_tables, meta.seq_lens
+    tables = (tables if tables.dtype == torch.int32 else tables.int()).contiguous()
+    lens = (lens if lens.dtype == torch.int32 else lens.int()).contiguous()
+    heads = first.attn
+    hidden, residual = ops.llama_decode_layers(
+        hidden, positions.contiguous(), meta.slot_mapping, tables, lens, first.rotary_emb.cos_sin_cache,
+        norms, records, features, q8, amx, [k for k, _ in kv_caches], [v for _, v in kv_caches], windows,
+        heads.num_heads, heads.num_kv_heads, first.head_dim, eps, heads.scale, cpu.SHARE_BLOCKS,
+        cpu.decode_threads(),
+    )  # fmt: skip
+    return hidden, residual
 
 
 @contextmanager
