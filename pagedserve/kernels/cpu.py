@@ -11,7 +11,8 @@ the block tables: the reference gathers every sequence's KV into a workspace fir
 a masked SDPA, which on CPU spent more time than the GEMMs at batch 16 (profiled on SmolLM2:
 gather 9.8 ms and SDPA 14 ms a step, against 19 ms of linears). Prefill and extend chunks in bf16
 run ``cpu_prefill.cpp`` (AMX tiles, or AVX512-BF16 where the CPU has no AMX: prefill_enabled),
-others the reference's SDPA. The same signatures as ``reference.py``.
+others the reference's SDPA. The same signatures as ``reference.py``. ``cpu_layers.cpp`` runs a
+decode step's Llama layers from C++ where all of them have kernels here (DECODE_LAYERS).
 
 The extension is compiled on first use (torch's cpp_extension, ``-O3 -march=native``, about a
 minute) into ``$PAGEDSERVE_CACHE_DIR/torch_extensions`` keyed by the sources, torch's version and

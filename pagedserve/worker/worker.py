@@ -51,7 +51,10 @@ DECODE_ATTENTION_KV_TOKENS = int(os.environ.get("PAGEDSERVE_CPU_DECODE_ATTENTION
 # prefill steps take prefill_threads only where that is measured clearly faster than one thread
 # (calibrate_prefill_threads); PAGEDSERVE_CPU_PREFILL_CALIBRATE=0 takes them as given
 PREFILL_CALIBRATE = os.environ.get("PAGEDSERVE_CPU_PREFILL_CALIBRATE", "1") != "0"
-PREFILL_GAIN = 0.85  # the most of max_threads' time a prefill on prefill_threads may take
+# the most of max_threads' time a prefill on prefill_threads may take (0.85 until 2026-12-07: a start
+# measured 57.2 against 66.0 ms, 0.87, kept one thread, and served c16 TTFT p50 was 1225 ms against
+# 821 with two an hour before; in process the same VM took 0.67x on two)
+PREFILL_GAIN = 0.95
 # While prefill_threads lose, the calibration is tried again, PREFILL_CALIBRATE_PAUSE_S apart, up to
 # PREFILL_CALIBRATE_ATTEMPTS times in all, where a prefill on one thread takes at least
 # PREFILL_CALIBRATE_RETRY_S (not for tiny models, whose choice matters little)
