@@ -231,7 +231,9 @@ void prefill_tile(const Prefill& a, int64_t hq, int64_t t0, const at::BFloat16* 
 // Groups run from a multiple of 32 keys (kc and vt are padded to one) so that step 3 takes whole
 // tiles; keys before the first one seen are masked like the rest.
 //
-// Tiles: 0 A, 1 B, 2 C for the scores; 3 A, 4 B, 5 C for P.V (16 rows x 64 bytes each).
+// Tiles (16 rows x 64 bytes each): scores 0 and 4 A, 1 B, 2 and 3 C; P.V 0 and 4 A, 1 B, 2, 3, 5,
+// 6 and 7 C. A tdpbf16ps waits for the previous one into its C tile, so each step runs two to
+// five independent chains.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
@@ -245,10 +247,26 @@ T* aligned64(T* p) {
 
 void load_prefill_tiles() {
   TileConfig cfg;
-  for (int t = 0; t < 6; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
   // GCC 12 does not see ldtilecfg read cfg and drops the stores above without this barrier
   __asm__ __volatile__("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
+}
+
+// 2^x for x <= 0, to well within a bf16 rounding (relative error ~5e-5: Taylor's degree 4 on
+// [-1/2, 1/2] after splitting off the nearest integer), for probabilities that are rounded to bf16
+// next; below -125 it gives 2^-125, a normal float (a denormal costs every instruction that reads
+// it a microcode assist). 9 instructions against exp512's 16: the probability pass was the
+// tile's largest.
+inline __m512 exp2_bf16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-125.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.009618129f), f, _mm512_set1_ps(0.05550411f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931472f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
 }
 
 // a row of 32 bf16 ones (A of the probability sums: loaded with stride 0, every row the same)
@@ -277,30 +295,37 @@ void prefill_tile_amx(const Prefill& a, int64_t hq, int64_t t0, const at::BFloat
   if (static_cast<int64_t>(pbuf.size()) < n * G / 2 + G) pbuf.resize(n * G / 2 + G);
   float* sb = aligned64(sbuf.data());
   __m512 m = _mm512_set1_ps(kMasked);  // of the unscaled scores (the scale is applied in step 2)
-  // 1. scores
-  for (int64_t r = 0; r < n; r += G) {
-    const int64_t j0 = a.kbase + r_begin + r;
+  // 1. scores, two groups of 16 keys at a time: two independent chains of tile products (each
+  // tdpbf16ps waits for its accumulator's last one) sharing each B load
+  for (int64_t r = 0; r < n; r += 2 * G) {
     _tile_zero(2);
+    _tile_zero(3);
     for (int64_t d2 = 0; d2 < D / 2; d2 += G) {
-      _tile_loadd(0, kc + (r_begin + r) * D + 2 * d2, D * 2);
       _tile_loadd(1, qp + d2, 64);
+      _tile_loadd(0, kc + (r_begin + r) * D + 2 * d2, D * 2);
       _tile_dpbf16ps(2, 0, 1);
+      _tile_loadd(4, kc + (r_begin + r + G) * D + 2 * d2, D * 2);
+      _tile_dpbf16ps(3, 4, 1);
     }
-    float* s = sb + r * G;
-    _tile_stored(2, s, 64);
-    const bool full = j0 + G - 1 <= pos_lo && j0 + G <= a.seq_len && (a.window <= 0 || j0 > pos_hi - a.window);
-    if (full) {
-      __m512 m0 = _mm512_load_ps(s), m1 = _mm512_load_ps(s + G);
-      for (int64_t k = 2; k < G; k += 2)
-        m0 = _mm512_max_ps(m0, _mm512_load_ps(s + k * G)), m1 = _mm512_max_ps(m1, _mm512_load_ps(s + (k + 1) * G));
-      m = _mm512_max_ps(m, _mm512_max_ps(m0, m1));
-      continue;
-    }
-    for (int64_t k = 0; k < G; ++k) {
-      const __m512 v = _mm512_mask_blend_ps(visible(a, pos, j0 + k, live), _mm512_set1_ps(kMasked),
-                                            _mm512_load_ps(s + k * G));
-      _mm512_store_ps(s + k * G, v);
-      m = _mm512_max_ps(m, v);
+    _tile_stored(2, sb + r * G, 64);
+    _tile_stored(3, sb + (r + G) * G, 64);
+    for (int64_t g = r; g < r + 2 * G; g += G) {
+      const int64_t j0 = a.kbase + r_begin + g;
+      float* s = sb + g * G;
+      const bool full = j0 + G - 1 <= pos_lo && j0 + G <= a.seq_len && (a.window <= 0 || j0 > pos_hi - a.window);
+      if (full) {
+        __m512 m0 = _mm512_load_ps(s), m1 = _mm512_load_ps(s + G);
+        for (int64_t k = 2; k < G; k += 2)
+          m0 = _mm512_max_ps(m0, _mm512_load_ps(s + k * G)), m1 = _mm512_max_ps(m1, _mm512_load_ps(s + (k + 1) * G));
+        m = _mm512_max_ps(m, _mm512_max_ps(m0, m1));
+        continue;
+      }
+      for (int64_t k = 0; k < G; ++k) {
+        const __m512 v = _mm512_mask_blend_ps(visible(a, pos, j0 + k, live), _mm512_set1_ps(kMasked),
+                                              _mm512_load_ps(s + k * G));
+        _mm512_store_ps(s + k * G, v);
+        m = _mm512_max_ps(m, v);
+      }
     }
   }
   // 2. probabilities: masked scores are kMasked, and exp(kMasked - m) is 0 in every lane that sees
@@ -308,27 +333,54 @@ void prefill_tile_amx(const Prefill& a, int64_t hq, int64_t t0, const at::BFloat
   alignas(64) int16_t order[2 * G];
   for (int q = 0; q < G; ++q) order[2 * q] = static_cast<int16_t>(q), order[2 * q + 1] = static_cast<int16_t>(G + q);
   const __m512i interleave = _mm512_load_si512(order);
-  const __m512 scale = _mm512_set1_ps(a.scale), ms = _mm512_mul_ps(m, scale);
+  // in base 2: p = 2^(s c - m c), c = scale log2(e)
+  const __m512 c = _mm512_set1_ps(a.scale * 1.4426950408889634f), mc = _mm512_mul_ps(m, c);
   int32_t* pb = aligned64(pbuf.data());
   for (int64_t k = 0; k < n; k += 2) {
-    const __m512 pa = exp512(_mm512_fmsub_ps(_mm512_load_ps(sb + k * G), scale, ms));
-    const __m512 pbv = exp512(_mm512_fmsub_ps(_mm512_load_ps(sb + (k + 1) * G), scale, ms));
+    const __m512 pa = exp2_bf16(_mm512_fmsub_ps(_mm512_load_ps(sb + k * G), c, mc));
+    const __m512 pbv = exp2_bf16(_mm512_fmsub_ps(_mm512_load_ps(sb + (k + 1) * G), c, mc));
     const __m512i bits = (__m512i)_mm512_cvtne2ps_pbh(pbv, pa);  // lanes 0-15: pa, 16-31: pb
     _mm512_store_si512(pb + k / 2 * G, _mm512_permutexvar_epi16(interleave, bits));
   }
-  // 3. O^T = V^T P^T; and l, each lane's sum of its bf16 probabilities, as a row of ones times P^T
-  alignas(64) float ot[(256 + G) * G];  // D <= 256 rows, then the ones' row block
-  for (int64_t f = 0; f <= D; f += G) {
-    _tile_zero(5);
-    for (int64_t r = 0; r < n; r += 2 * G) {
-      if (f < D)
-        _tile_loadd(3, vt + f * ldv + r_begin + r, ldv * 2);
-      else
-        _tile_loadd(3, kOnes, 0);
-      _tile_loadd(4, pb + r / 2 * G, 64);
-      _tile_dpbf16ps(5, 3, 4);
+  // 3. O^T = V^T P^T; and l, each lane's sum of its bf16 probabilities, as a row of ones times P^T.
+  // Up to four blocks of 16 features (C tiles 2, 3, 5, 6) and the ones (7) a round over the keys:
+  // independent chains sharing each load of P^T (B, 1); A alternates between tiles 0 and 4.
+  alignas(64) float ot[(128 + G) * G];  // D <= 128 rows, then the ones' row block
+  for (int64_t f0 = 0; f0 < D; f0 += 4 * G) {
+    const int64_t nf = std::min<int64_t>(4, (D - f0) / G);  // D % 32 == 0: 2 or 4
+    const bool ones = f0 == 0;
+    _tile_zero(2);
+    _tile_zero(3);
+    if (nf > 2) {
+      _tile_zero(5);
+      _tile_zero(6);
     }
-    _tile_stored(5, ot + f * G, 64);
+    if (ones) _tile_zero(7);
+    const at::BFloat16* v0 = vt + f0 * ldv + r_begin;
+    for (int64_t r = 0; r < n; r += 2 * G) {
+      _tile_loadd(1, pb + r / 2 * G, 64);
+      _tile_loadd(0, v0 + r, ldv * 2);
+      _tile_dpbf16ps(2, 0, 1);
+      _tile_loadd(4, v0 + G * ldv + r, ldv * 2);
+      _tile_dpbf16ps(3, 4, 1);
+      if (nf > 2) {
+        _tile_loadd(0, v0 + 2 * G * ldv + r, ldv * 2);
+        _tile_dpbf16ps(5, 0, 1);
+        _tile_loadd(4, v0 + 3 * G * ldv + r, ldv * 2);
+        _tile_dpbf16ps(6, 4, 1);
+      }
+      if (ones) {
+        _tile_loadd(0, kOnes, 0);
+        _tile_dpbf16ps(7, 0, 1);
+      }
+    }
+    _tile_stored(2, ot + f0 * G, 64);
+    _tile_stored(3, ot + (f0 + G) * G, 64);
+    if (nf > 2) {
+      _tile_stored(5, ot + (f0 + 2 * G) * G, 64);
+      _tile_stored(6, ot + (f0 + 3 * G) * G, 64);
+    }
+    if (ones) _tile_stored(7, ot + D * G, 64);
   }
   store_tile(a, hq, t0, nq, ot, _mm512_load_ps(ot + D * G));
 }
