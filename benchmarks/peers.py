@@ -116,7 +116,10 @@ def wait_healthy(port: int, proc: subprocess.Popen, log: Path, timeout_s: float 
 
 def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
+        # SIGTERM, not SIGINT: a shell without job control starts background commands with SIGINT
+        # ignored, and their children inherit that (a nohup'd benchmark's servers ran on until the
+        # SIGKILL below, two minutes later)
+        os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:

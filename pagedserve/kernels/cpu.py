@@ -170,9 +170,8 @@ def prefill_enabled() -> bool:
     AVX512-BF16 loop: on a 2-vCPU Sapphire Rapids VM, SmolLM2 bf16, a whole step of 256 new tokens
     over 768 took 144 ms with SDPA against 187-200 with the loop, 1024 new tokens 374-456 against
     536-730. With the tiles (2-vCPU Xeon VM, 2026-12-07, one thread, SmolLM2's 9 x 64 query and 3 KV
-    heads): a fresh 256-token chunk 0.78 ms (SDPA with its KV gather) -> 0.36-0.38 a layer, 256 after
-    512 cached 2.3 -> 1.1 ms, 2048 fresh 21.7 -> 14.8; a prefill step of 8 x 256 tokens 707-735 ->
-    630-639 ms.
+    heads): a fresh 256-token chunk 0.78 ms (SDPA with its KV gather) -> 0.26 a layer, 256 after
+    512 cached 2.2 -> 0.95 ms, 2048 fresh 21.7 -> 12.0.
     ``PAGEDSERVE_CPU_PREFILL=1`` or ``0`` decides instead, where the kernel was built."""
     ext = extension()
     if ext is None or not ext.prefill_bf16_available():
