@@ -20,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_layers.h"
 #include "cpu_pool.h"
 #include "cpu_vec.h"
 
@@ -728,14 +729,6 @@ bool prefill_bf16_available();
 bool prefill_amx_available();
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& table, int64_t seq_len, double scale, int64_t window, bool use_amx);
-// cpu_layers.cpp
-std::vector<at::Tensor> llama_decode_layers(
-    at::Tensor hidden, const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-    const at::Tensor& seq_lens, const at::Tensor& cos_sin_cache, const std::vector<at::Tensor>& norms,
-    const std::vector<at::Tensor>& records, const std::vector<int64_t>& features, const std::vector<bool>& q8,
-    const std::vector<bool>& amx, std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
-    const std::vector<int64_t>& windows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-    double scale, bool share_blocks, int64_t threads);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over KV read in place (CPU); share_blocks: "

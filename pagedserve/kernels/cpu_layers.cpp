@@ -7,9 +7,7 @@
 // (16 sequences, SmolLM2, one torch thread and the decode pool's helper, py-spy, 2026-12-07) ran
 // in the interpreter and the binding between them. Here the same functions run in the same order
 // on the same tensors (results equal the modules' bit for bit), called from C++.
-#include <torch/extension.h>
-
-#include <vector>
+#include "cpu_layers.h"
 
 // cpu_ops.cpp, cpu_decode.cpp, cpu_blocks_bf16.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -25,12 +23,6 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 at::Tensor linear_blocks_bf16(const at::Tensor& x, const at::Tensor& records, const c10::optional<at::Tensor>& bias,
                               int64_t N, bool q8, bool use_amx);
 
-// hidden [B, H]: the step's embeddings (one token per sequence). Per layer i: norms[2 i] (input)
-// and [2 i + 1] (post-attention) RMSNorm weights; records, features, q8 and amx [4 i + j] for its
-// linears j = qkv, o, gate_up, down (linear_blocks_bf16's arguments); its K and V pools and
-// sliding window (0: none). positions and slot_mapping int64 [B]; block_tables and seq_lens int32
-// (paged_decode's). Returns (hidden, residual) of the last layer: the final norm's input pair, as
-// LlamaModel's loop leaves them.
 std::vector<at::Tensor> llama_decode_layers(
     at::Tensor hidden, const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
     const at::Tensor& seq_lens, const at::Tensor& cos_sin_cache, const std::vector<at::Tensor>& norms,
