@@ -217,17 +217,19 @@ void prefill_tile(const Prefill& a, int64_t hq, int64_t t0, const at::BFloat16* 
 // The same tile through AMX (CPUs with AMX-BF16), in three passes over the keys it sees instead of
 // one online pass: the scores need no rescaling, so P.V can accumulate in tiles.
 //
-// Why: with AMX, torch's SDPA (oneDNN-free flash attention) ran a 256-token prefill of SmolLM2 at
-// ~0.56 ms a sequence and layer on one core (a fifth of a 2048-token prefill step on a 2-vCPU
-// Xeon VM, 2026-12-06), and the AVX512-BF16 loop above was slower still than that.
+// Why: with AMX, torch's SDPA (its own CPU flash attention) ran a 256-token prefill of SmolLM2 at
+// ~0.56 ms a sequence and layer on one core (with the KV gather it needs, a third of a
+// 2048-token prefill step on a 2-vCPU Xeon VM, 2026-12-06), and the AVX512-BF16 loop above was
+// slower still than that.
 //
 // 1. S^T [keys][16 queries] a group of 16 keys at a time: C = K rows (A, from kc, 32 features a
-//    step) times the tile's query pairs (B: qp, the loop's own layout), stored to sbuf; scaled,
-//    masked as above, and the lanes' maxima taken.
-// 2. P = exp(S - max) rounded to bf16, two keys' probabilities interleaved per lane (pbuf [keys / 2]
-//    [16][2]: AMX's pair layout of P^T), l = their sum per lane.
+//    step) times the tile's query pairs (B: qp, the loop's own layout), stored to sbuf; masked as
+//    above, and the lanes' maxima taken (unscaled: the scale enters in step 2).
+// 2. P = exp(scale (S - max)) (exp2_bf16) rounded to bf16, two keys' probabilities interleaved
+//    per lane (pbuf [keys / 2][16][2]: AMX's pair layout of P^T).
 // 3. O^T [D][16] = V^T (A, from vt, 32 keys a step) times P^T (B, from pbuf), a C tile per 16
-//    features accumulated over all keys, stored to ot.
+//    features accumulated over all keys, stored to ot; and l, each lane's sum of its bf16
+//    probabilities, as one more such product with a row of ones for A.
 // Groups run from a multiple of 32 keys (kc and vt are padded to one) so that step 3 takes whole
 // tiles; keys before the first one seen are masked like the rest.
 //
@@ -328,8 +330,8 @@ void prefill_tile_amx(const Prefill& a, int64_t hq, int64_t t0, const at::BFloat
       }
     }
   }
-  // 2. probabilities: masked scores are kMasked, and exp(kMasked - m) is 0 in every lane that sees
-  // a key (the dead lanes' sums are never read)
+  // 2. probabilities: a masked score (kMasked) gives 2^-125, nothing beside the 1 of a lane's
+  // largest score (every live lane sees its own position; the dead lanes' sums are never read)
   alignas(64) int16_t order[2 * G];
   for (int q = 0; q < G; ++q) order[2 * q] = static_cast<int16_t>(q), order[2 * q + 1] = static_cast<int16_t>(G + q);
   const __m512i interleave = _mm512_load_si512(order);
