@@ -40,7 +40,8 @@ logger = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_decode.cpp", "cpu_ops.cpp", "cpu_gemm.cpp",
                                                             "cpu_prefill.cpp", "cpu_blocks_bf16.cpp",
                                                             "cpu_onednn_split.cpp", "cpu_layers.cpp"))
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_vec.h", "cpu_pool.h", "cpu_layers.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_vec.h", "cpu_pool.h", "cpu_amx.h",
+                                                            "cpu_kernels.h"))
 copy_blocks = reference.copy_blocks
 swap_blocks = reference.swap_blocks
 # Decode rows of sequences whose block tables begin with the same blocks (a shared prompt prefix

@@ -40,6 +40,8 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include "cpu_amx.h"
 #define PAGEDSERVE_BLOCKS_AMX 1
 #endif
 #endif
@@ -146,20 +148,12 @@ void panel_rows(const at::BFloat16* x, int64_t ldx, const uint8_t* rec, const fl
 //
 // Tiles: 0 and 4 A, 1 and 5 B, 2 and 3 C (the two stages of the pipeline); rows of A and C are the
 // rows of x in this pass (<= 16), set by the tile configuration each thread loads per call.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 void load_tiles(int rows) {
-  TileConfig cfg;
+  pagedserve_amx::TileConfig cfg;
   for (int t : {0, 4}) cfg.rows[t] = rows, cfg.colsb[t] = 64;  // A: rows x 32 bf16
   for (int t : {1, 5}) cfg.rows[t] = 16, cfg.colsb[t] = 64;    // B: 16 k pairs x 16 features x 2
   for (int t : {2, 3}) cfg.rows[t] = rows, cfg.colsb[t] = 64;  // C: rows x 16 fp32
-  // GCC 12 does not see ldtilecfg read cfg and drops the stores above without this barrier
-  __asm__ __volatile__("" : : "r"(&cfg) : "memory");
-  _tile_loadconfig(&cfg);
+  pagedserve_amx::load_tile_config(cfg);
 }
 
 template <bool Q8>

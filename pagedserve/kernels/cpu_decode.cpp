@@ -20,7 +20,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "cpu_layers.h"
+#include "cpu_kernels.h"
 #include "cpu_pool.h"
 #include "cpu_vec.h"
 
@@ -696,39 +696,6 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   }
   return out;
 }
-
-// cpu_ops.cpp
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
-void rotary_neox(const at::Tensor& positions, at::Tensor& query, at::Tensor& key, const at::Tensor& cos_sin_cache,
-                 int64_t head_dim);
-at::Tensor silu_and_mul(const at::Tensor& x);
-at::Tensor argmax_rows(const at::Tensor& x);
-void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
-              const at::Tensor& slot_mapping);
-// cpu_gemm.cpp
-bool gemm_available();
-bool gemm_bf16_available();
-at::Tensor pack_linear(const at::Tensor& weight);
-at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                         int64_t N);
-at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
-                         const c10::optional<at::Tensor>& bias, int64_t N, bool q8);
-void set_decode_pool(int64_t helpers, int64_t spin_us);
-int64_t decode_pool_helpers();
-// cpu_blocks_bf16.cpp
-bool blocks_bf16_available();
-bool blocks_amx_available();
-at::Tensor linear_blocks_bf16(const at::Tensor& x, const at::Tensor& records, const c10::optional<at::Tensor>& bias,
-                              int64_t N, bool q8, bool use_amx);
-// cpu_onednn_split.cpp
-at::Tensor linear_onednn_split(const at::Tensor& x, const std::vector<at::Tensor>& parts,
-                               const std::vector<int64_t>& starts, const c10::optional<at::Tensor>& bias);
-// cpu_prefill.cpp
-bool prefill_bf16_available();
-bool prefill_amx_available();
-at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                         const at::Tensor& table, int64_t seq_len, double scale, int64_t window, bool use_amx);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over KV read in place (CPU); share_blocks: "

@@ -7,21 +7,7 @@
 // (16 sequences, SmolLM2, one torch thread and the decode pool's helper, py-spy, 2026-12-07) ran
 // in the interpreter and the binding between them. Here the same functions run in the same order
 // on the same tensors (results equal the modules' bit for bit), called from C++.
-#include "cpu_layers.h"
-
-// cpu_ops.cpp, cpu_decode.cpp, cpu_blocks_bf16.cpp
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
-void rotary_neox(const at::Tensor& positions, at::Tensor& query, at::Tensor& key, const at::Tensor& cos_sin_cache,
-                 int64_t head_dim);
-at::Tensor silu_and_mul(const at::Tensor& x);
-void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
-              const at::Tensor& slot_mapping);
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
-                        bool share_blocks, int64_t threads);
-at::Tensor linear_blocks_bf16(const at::Tensor& x, const at::Tensor& records, const c10::optional<at::Tensor>& bias,
-                              int64_t N, bool q8, bool use_amx);
+#include "cpu_kernels.h"
 
 std::vector<at::Tensor> llama_decode_layers(
     at::Tensor hidden, const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& block_tables,

@@ -24,16 +24,17 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_kernels.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include "cpu_vec.h"
 #define PAGEDSERVE_PREFILL_BF16 1
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include "cpu_amx.h"
 #define PAGEDSERVE_PREFILL_AMX 1
 #endif
 #endif
 
-// cpu_blocks_bf16.cpp: built for AMX-BF16 and Linux granted this process the tiles
-bool blocks_amx_available();
 
 namespace {
 
@@ -236,23 +237,15 @@ void prefill_tile(const Prefill& a, int64_t hq, int64_t t0, const at::BFloat16* 
 // Tiles (16 rows x 64 bytes each): scores 0 and 4 A, 1 B, 2 and 3 C; P.V 0 and 4 A, 1 B, 2, 3, 5,
 // 6 and 7 C. A tdpbf16ps waits for the previous one into its C tile, so each step runs two to
 // five independent chains.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 template <typename T>
 T* aligned64(T* p) {
   return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
 }
 
 void load_prefill_tiles() {
-  TileConfig cfg;
+  pagedserve_amx::TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  // GCC 12 does not see ldtilecfg read cfg and drops the stores above without this barrier
-  __asm__ __volatile__("" : : "r"(&cfg) : "memory");
-  _tile_loadconfig(&cfg);
+  pagedserve_amx::load_tile_config(cfg);
 }
 
 // 2^x for x <= 0, to well within a bf16 rounding (relative error ~5e-5: Taylor's degree 4 on
