@@ -16,6 +16,7 @@ from tests.worker.paged_batch import PagedSequences, prefill_then_decode
 pytestmark = pytest.mark.slow
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about paging.", "2+2="]
+ANSWER_TOKENS = 12  # the most tokens of a greedy answer the tests generate
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +31,13 @@ def _chat_ids(folder: Path, question: str) -> list[int]:
 
 
 def _greedy_tokens(folder: Path, model: torch.nn.Module, config: object, dtype: torch.dtype) -> list[int]:
-    """The model's greedy answer to the first question, up to 12 tokens, one sequence."""
+    """The model's greedy answer to the first question, up to ANSWER_TOKENS tokens, one sequence."""
     tokenizer = load_tokenizer(folder)
     prompt = _chat_ids(folder, QUESTIONS[0])
     pool = KVPool.for_model(config, num_blocks=8, block_size=16, dtype=dtype)
-    seqs = PagedSequences(1, len(prompt) + 12, 16, 8)
+    seqs = PagedSequences(1, len(prompt) + ANSWER_TOKENS, 16, 8)
     chunk, answer = prompt, []
-    for _ in range(12):
+    for _ in range(ANSWER_TOKENS):
         ids, positions, meta = seqs.step({0: chunk})
         token = int(model.compute_logits(model(ids, positions, meta, pool.kv_caches)[-1:]).argmax())
         if token == tokenizer.eos_token_id:
@@ -58,7 +59,9 @@ def _assert_greedy_or_near_tie(folder: Path, tokens: list[int], reference: torch
     prompt = _chat_ids(folder, QUESTIONS[0])
     with torch.no_grad():
         logits = reference(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:].float()
-    for i, token in enumerate(tokens):
+    # _greedy_tokens stops at ANSWER_TOKENS or where the model chose the EOS, which is checked too
+    chosen = tokens if len(tokens) == ANSWER_TOKENS else [*tokens, load_tokenizer(folder).eos_token_id]
+    for i, token in enumerate(chosen):
         best = logits[i].max()
         gap = float(best - logits[i, token])
         assert gap <= margin, (i, token, int(logits[i].argmax()), gap)
