@@ -215,12 +215,12 @@ def serve_main(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from pagedserve.router.app import APP_NAME, deploy, direct_ingress_env, served_model_name
+    from pagedserve.router.app import APP_NAME, deploy, private_ray_env, served_model_name
 
     config = serve_config_from_args(args)
     if config.address is None:  # our own Ray: its HTTP server binds here (say so now if it cannot),
         _check_port_free(config.host, config.port)  # and its processes inherit this environment
-        os.environ.update(direct_ingress_env(config))
+        os.environ.update(private_ray_env(config))
     # refuse an architecture we do not implement, or a size its heads cannot split, before
     # anything starts (not as a shape error in a replica that is loading weights)
     from pagedserve.worker.loader import check_tensor_parallel, load_config, resolve_model

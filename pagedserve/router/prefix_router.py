@@ -294,7 +294,11 @@ class PrefixAwareRouter(RequestRouter):
     """Serve request router running ``PrefixPolicy`` over a local mirror of the replicas' KV events.
 
     A background task on the router's event loop polls the state actor (``state.py``) every
-    ``sync_interval_s`` and applies the new events, so ``choose_replicas`` never awaits anything.
+    ``sync_interval_s`` while the cluster is busy (this router has requests in flight, the last
+    poll brought KV events, or a replica runs or queues requests), else every
+    ``idle_sync_interval_s``, and applies the new events, so ``choose_replicas`` never awaits
+    anything. (Each poll is a Ray actor call on the cores the engines run on: see
+    app.PUBLISH_PERIOD_S, which replicas publish at.)
     Load = the replica's last published stats (or its ``routing_stats``), raised to this router's
     own count of requests in flight to it, which is fresher, plus the uncached prompt blocks of
     those requests (tracked from routed to completed).
@@ -306,14 +310,16 @@ class PrefixAwareRouter(RequestRouter):
 
     def initialize_state(
         self,
-        sync_interval_s: float = 0.05,
-        stats_max_age_s: float = 2.0,
+        sync_interval_s: float = 0.25,
+        idle_sync_interval_s: float = 1.0,
+        stats_max_age_s: float = 3.0,
         sync_from_actor: bool = True,
         **policy_kwargs: Any,
     ) -> None:
         """Called by Serve with ``request_router_kwargs``; the rest go to ``PrefixRouterConfig``."""
         self.policy = PrefixPolicy(PrefixRouterConfig(**policy_kwargs))
         self.sync_interval_s = sync_interval_s
+        self.idle_sync_interval_s = idle_sync_interval_s
         self.stats_max_age_s = stats_max_age_s
         self.sync_from_actor = sync_from_actor
         self.in_flight: defaultdict[str, int] = defaultdict(int)
@@ -344,19 +350,29 @@ class PrefixAwareRouter(RequestRouter):
         ages = reply.get("stats_age_s", {})
         self._stats = {rid: (s, now - ages.get(rid, 0.0)) for rid, s in reply.get("stats", {}).items()}
 
+    def busy(self, reply: Mapping[str, Any]) -> bool:
+        """Whether the cluster is busy as of this poll reply: poll again soon."""
+        if reply.get("entries") or "snapshot" in reply or any(n > 0 for n in self.in_flight.values()):
+            return True
+        return any(s.get("num_running", 0) or s.get("num_waiting", 0) for s in reply.get("stats", {}).values())
+
     async def _sync_loop(self) -> None:
         failures = 0
         while True:
+            interval = self.sync_interval_s
             try:
-                self.apply_state(await state.poll_replica_state(self.seq, self.epoch))
+                reply = await state.poll_replica_state(self.seq, self.epoch)
+                self.apply_state(reply)
                 failures = 0
+                if not self.busy(reply):
+                    interval = self.idle_sync_interval_s
             except Exception:  # the router keeps routing on what it knows; the state actor may return
                 failures += 1
                 if failures in (1, 10) or failures % 100 == 0:
                     logger.warning(
                         "prefix router: syncing replica state failed %d times", failures, exc_info=True
                     )
-            await asyncio.sleep(self.sync_interval_s * min(2**failures, 40))
+            await asyncio.sleep(min(interval * 2**failures, max(interval, 2.0)))
 
     def _ensure_sync(self) -> None:
         if self.sync_from_actor and (self._sync_task is None or self._sync_task.done()):

@@ -26,8 +26,9 @@ logger = logging.getLogger(__name__)
 NAMESPACE = "pagedserve"
 STATE_ACTOR_NAME = "pagedserve_replica_state"
 
-# A replica publishes every PUBLISH_PERIOD_S (0.1 s): one silent this long is gone (its process was
-# killed, its node lost) and is dropped, so that its blocks and stats do not outlive it.
+# A replica publishes at least once a second (app.PUBLISH_IDLE_S): one silent this long is gone
+# (its process was killed, its node lost) and is dropped, so that its blocks and stats do not
+# outlive it.
 STALE_REPLICA_S = 10.0
 
 # How long a command's result waits for the admin API to read it.
@@ -279,7 +280,7 @@ async def publish_replica_state(replica_id: str, events: list, stats: dict,
 
     ``events`` is ``BlockManager.take_events()`` / ``AsyncEngine.take_kv_events()``:
     [("stored" | "removed", [block hashes]), ...]; ``stats`` a plain dict with at least
-    "num_running", "num_waiting", "kv_cache_usage". Call every ~100 ms from each replica with
+    "num_running", "num_waiting", "kv_cache_usage". Call at least once a second from each replica with
     ``serve.get_replica_context().replica_id.unique_id`` as ``replica_id``.
     """
     plain = [[kind, [int(h) for h in hashes]] for kind, hashes in events]

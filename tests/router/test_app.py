@@ -10,11 +10,13 @@ from ray.serve import Application
 from pagedserve.config import ConfigError, EngineConfig, ServeConfig
 from pagedserve.router.app import (
     OMP_SPIN_COUNT,
+    SERVE_CONTROL_LOOP_INTERVAL_S,
     app_builder,
     build_app,
     compact_kv_events,
     cpu_threads_per_replica,
     engine_env,
+    private_ray_env,
     serve_config_from_flags,
     served_model_name,
 )
@@ -237,3 +239,74 @@ def test_a_lost_replica_is_retried_until_streaming_then_fails_with_engine_lost(m
     with pytest.raises(OpenAIError) as err:
         _collect(ingress)
     assert err.value.code == "engine_lost" and ingress._streaming.sent == app.RETRIES_ON_REPLICA_LOSS + 1
+
+
+def test_private_ray_env_slows_serves_controller_loop_unless_the_shell_says(monkeypatch) -> None:
+    monkeypatch.delenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", raising=False)
+    env = private_ray_env(ServeConfig(proxy_location="Direct", port=8123))
+    assert env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == SERVE_CONTROL_LOOP_INTERVAL_S
+    assert float(SERVE_CONTROL_LOOP_INTERVAL_S) > 0.1  # Serve's default
+    assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"  # and Direct's own
+    monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.2")
+    env = private_ray_env(ServeConfig(proxy_location="EveryNode"))
+    assert env == {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.2"}
+
+
+class _QuietEngine:
+    """What EngineDeployment's publisher reads of its engine: no blocks, no events."""
+
+    async def block_states(self) -> list:
+        return []
+
+    def take_kv_events(self) -> list:
+        return []
+
+
+def test_a_replica_publishes_often_while_busy_and_seldom_idle(monkeypatch) -> None:
+    """The publisher's cadence: one publish at start, then none while idle until the idle period
+    passes; at once when a request arrives, every PUBLISH_PERIOD_S while requests are in flight,
+    one more round after the last one ends (the engine's figures lag a step), then the idle period."""
+    import asyncio
+    import time
+
+    from pagedserve.router import app as app_module
+    from pagedserve.router import state
+
+    monkeypatch.setattr(app_module, "PUBLISH_PERIOD_S", 0.02)
+    monkeypatch.setattr(app_module, "PUBLISH_IDLE_S", 5.0)
+    published: list[tuple[float, int]] = []
+
+    async def scenario() -> None:
+        class Replica(app_module.EngineDeployment.func_or_class):
+            def __del__(self) -> None:  # no state actor to leave
+                pass
+
+        replica = Replica.__new__(Replica)  # the publisher's attributes only, set below
+        replica.engine, replica._inflight, replica._commands, replica._results = _QuietEngine(), 0, set(), {}
+        replica._unpublished, replica._state_epoch, replica._draining = [], None, False
+        replica._block_map, replica._wake = None, asyncio.Event()
+        replica._stats_dict = lambda: {"num_running": replica._inflight}
+
+        async def publish(replica_id, events, stats, results):
+            published.append((time.monotonic(), stats["num_running"]))
+            return {"epoch": "e", "draining": False, "commands": []}
+
+        monkeypatch.setattr(state, "publish_replica_state", publish)
+        replica.replica_id = "r"
+        task = asyncio.get_running_loop().create_task(replica._publish_forever())
+        await asyncio.sleep(0.3)
+        assert len(published) == 1  # the first; idle, the next waits PUBLISH_IDLE_S
+        replica._inflight = 1  # a request arrives (generate sets the wake event)
+        replica._wake.set()
+        arrived = time.monotonic()
+        await asyncio.sleep(0.3)
+        busy = [t for t, running in published if running == 1]
+        assert busy and busy[0] - arrived < 0.1  # at once, not at the idle beat
+        assert len(busy) >= 5  # every 0.02 s while busy (a loaded 2-core machine: a margin)
+        replica._inflight = 0
+        await asyncio.sleep(0.3)
+        after = [t for t, running in published if t > busy[-1]]
+        assert len(after) == 2 and after[-1] - busy[-1] < 0.1  # the last request's end goes out
+        task.cancel()
+
+    asyncio.run(scenario())

@@ -550,7 +550,7 @@ def _decisions(base_url: str, api_key: str) -> dict[str, float]:
 
 
 def _settle() -> None:
-    time.sleep(0.6)  # replicas publish every 0.1 s; routers poll every 0.05 s
+    time.sleep(1.0)  # busy replicas publish every 0.25 s, busy routers poll as often (app.PUBLISH_PERIOD_S)
 
 
 @pytest.mark.slow
@@ -630,3 +630,47 @@ def test_state_actor_round_trip(ray_session: None) -> None:
         assert [e[2] for e in last["entries"] if e[1] == rid] == ["drop"]
 
     asyncio.run(scenario())
+
+
+def test_prefix_router_polls_often_while_busy_and_seldom_idle(monkeypatch) -> None:
+    """The sync loop's cadence: the idle interval while nothing happens, the short one after a
+    poll that brought KV events, while a replica runs requests, or while the router has requests
+    in flight; back to the idle one after."""
+    from pagedserve.router import prefix_router
+
+    log = ReplicaStateLog()
+    log.publish("r0", "t", [], {"num_running": 0})
+    waits: list[float] = []
+    script = {  # before poll n: what happens in the cluster
+        3: lambda router: log.publish("r0", "t", [("stored", [1, 2])], {"num_running": 0}),
+        5: lambda router: log.publish("r0", "t", [], {"num_running": 2}),
+        7: lambda router: log.publish("r0", "t", [], {"num_running": 0}),
+        9: lambda router: router.in_flight.__setitem__("r0", 1),
+        11: lambda router: router.in_flight.__setitem__("r0", 0),
+    }
+
+    async def scenario() -> None:
+        router = make_router(PrefixAwareRouter, sync_from_actor=False, sync_interval_s=0.25,
+                             idle_sync_interval_s=1.0)  # fmt: skip
+
+        async def poll(since: int, epoch: str | None) -> dict:
+            n = len(waits)
+            if n in script:
+                script[n](router)
+            return log.poll(since, epoch)
+
+        class Clock:  # the loop's sleeps, recorded and not slept
+            @staticmethod
+            async def sleep(seconds: float) -> None:
+                waits.append(seconds)
+                if len(waits) >= 13:
+                    raise asyncio.CancelledError
+
+        monkeypatch.setattr(prefix_router.state, "poll_replica_state", poll)
+        monkeypatch.setattr(prefix_router, "asyncio", Clock)
+        with pytest.raises(asyncio.CancelledError):
+            await router._sync_loop()
+
+    asyncio.run(scenario())
+    # polls 0-1 idle (the first brings a snapshot: busy), 3 events, 5-6 running, 9-10 in flight
+    assert waits == [0.25, 1.0, 1.0, 0.25, 1.0, 0.25, 0.25, 1.0, 1.0, 0.25, 0.25, 1.0, 1.0], waits

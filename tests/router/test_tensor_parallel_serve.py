@@ -183,7 +183,7 @@ def test_two_replicas_of_two_ranks_route_by_prefix(tiny_engine_model, size_1_tex
         shared = "Tell me a story about a dragon who lived in a castle by the sea and " * 4
         for i in range(4):
             api.completions.create(model="tiny", prompt=shared + str(i), max_tokens=4, temperature=0)
-            time.sleep(0.3)  # the replicas publish their KV events every ~0.1 s
+            time.sleep(0.6)  # busy replicas publish KV events every 0.25 s, busy routers poll as often
         assert len(metric_values(base, "pagedserve:num_gpu_blocks")) == 2, "both replicas report"
         assert sum(metric_values(base, "pagedserve:prefix_cache_hits_total")) > 0
         text = httpx2.get(f"{base}/metrics", timeout=30).text

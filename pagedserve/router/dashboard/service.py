@@ -3,7 +3,7 @@
 Everything comes from where it is kept: Ray's nodes from the GCS (``ray.nodes()``) with each
 node's host and GPU figures from a small probe actor pinned to it; the engine replicas' figures,
 block maps and requests in flight from the cluster state actor (``router/state.py``), where each
-replica publishes them every ~100 ms; the routing decisions from this process's request router
+replica publishes them every 0.25 s while busy, every second idle; the routing decisions from this process's request router
 (the handle's router runs here). Actions go to a replica through the state actor's command queue
 (it runs them between two engine steps and answers with its next publish) or set its drain mark.
 A sampler keeps the last minutes of each replica's figures for the charts.
@@ -232,8 +232,8 @@ class DashboardService:
     async def abort(self, request_id: str) -> dict[str, Any]:
         """Abort a request in flight wherever it runs; its stream ends with finish_reason "abort".
 
-        The replica listing it is asked first; when none lists it (a listing is up to ~100 ms
-        old), every replica is asked, and whichever runs it aborts it.
+        The replica listing it is asked first; when none lists it (a listing is up to
+        a second old), every replica is asked, and whichever runs it aborts it.
         """
         listed = await self.replicas()
         holders = [r["replica_id"] for r in listed

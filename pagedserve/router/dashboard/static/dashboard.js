@@ -276,7 +276,7 @@ function makeCard(id) {
 }
 
 // requested: the admin's mark, which the button toggles; draining: whether the replica still
-// drains (it hears a new mark with its next publish, ~0.1 s later)
+// drains (it hears a new mark with its next publish, within a second)
 function setDraining(c, requested, draining = requested) {
   const shown = requested || draining;
   c.draining.hidden = !shown;
