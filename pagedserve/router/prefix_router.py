@@ -354,7 +354,8 @@ class PrefixAwareRouter(RequestRouter):
         """Whether the cluster is busy as of this poll reply: poll again soon."""
         if reply.get("entries") or "snapshot" in reply or any(n > 0 for n in self.in_flight.values()):
             return True
-        return any(s.get("num_running", 0) or s.get("num_waiting", 0) for s in reply.get("stats", {}).values())
+        stats = reply.get("stats", {}).values()
+        return any(s.get("num_running", 0) or s.get("num_waiting", 0) for s in stats)
 
     async def _sync_loop(self) -> None:
         failures = 0

@@ -3,9 +3,10 @@
 Everything comes from where it is kept: Ray's nodes from the GCS (``ray.nodes()``) with each
 node's host and GPU figures from a small probe actor pinned to it; the engine replicas' figures,
 block maps and requests in flight from the cluster state actor (``router/state.py``), where each
-replica publishes them every 0.25 s while busy, every second idle; the routing decisions from this process's request router
-(the handle's router runs here). Actions go to a replica through the state actor's command queue
-(it runs them between two engine steps and answers with its next publish) or set its drain mark.
+replica publishes them every 0.25 s while busy, every second idle; the routing decisions from this
+process's request router (the handle's router runs here). Actions go to a replica through the
+state actor's command queue (it runs them between two engine steps and answers with its next
+publish) or set its drain mark.
 A sampler keeps the last minutes of each replica's figures for the charts.
 """
 
