@@ -60,6 +60,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the name the engine gives model=
 # step waits at every barrier for the thread that was preempted); at 1 s each 101 ms.
 PUBLISH_PERIOD_S = 0.25
 PUBLISH_IDLE_S = 1.0
+RESEND_ROUNDS = 4  # short rounds after a new state actor asked for the whole cache (the engine's
+# snapshot of its blocks comes back between two of its steps)
 COMPACT_EVENTS_AT = 10_000  # unpublished KV events (the state actor is unreachable) before compacting
 BLOCK_MAP_PERIOD_S = 1.0  # between two block maps the dashboard draws
 BLOCK_MAP_WAIT_S = 0.5  # the longest a publish waits for the engine loop to draw its block map
@@ -296,7 +298,7 @@ class EngineDeployment:
 
         failures = 0
         mapped_at = -math.inf
-        was_busy = False
+        was_busy, resending = False, 0
         while True:
             self._wake.clear()
             busy = self._inflight > 0 or bool(self._commands)
@@ -333,6 +335,7 @@ class EngineDeployment:
                         # the state actor was lost and made afresh: it knows none of our blocks
                         logger.warning("cluster state actor restarted; resending this replica's cache")
                         self.engine.request_kv_snapshot()
+                        resending = RESEND_ROUNDS  # out within a few short rounds, not idle beats
                     self._state_epoch = epoch
             except Exception:
                 failures += 1
@@ -341,7 +344,8 @@ class EngineDeployment:
             # busy, or idle since this round (the engine's figures lag the replica's own count by
             # a step: the next publish has the last request's end for sure): the short period;
             # idle, the long one, cut short by a request or a command's result
-            if busy or was_busy or self._results or failures:
+            if busy or was_busy or self._results or failures or resending:
+                resending = max(0, resending - 1)
                 await asyncio.sleep(PUBLISH_PERIOD_S)
             else:
                 with suppress(TimeoutError):

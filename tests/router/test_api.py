@@ -572,6 +572,7 @@ def test_a_lost_state_actor_is_rebuilt_with_every_replicas_cache(server: Server,
             pass
         assert time.monotonic() < deadline, "the rebuilt state log does not know the cached prompt"
         time.sleep(0.3)
+    time.sleep(1.5)  # and the routers with their next poll (every second while idle: app.PUBLISH_IDLE_S)
     r = http.post("/v1/completions", json=body)
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
