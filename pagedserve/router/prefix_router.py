@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections import OrderedDict, defaultdict
@@ -44,6 +45,11 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# A router keeps polling at its short interval this long after its last decision: the request's
+# KV events reach the state actor with its replica's publishes after it ends (within ~0.5 s), and
+# the next request of a conversation should find them.
+RECENT_REQUEST_S = 2.0
 
 
 @dataclass(slots=True)
@@ -294,8 +300,9 @@ class PrefixAwareRouter(RequestRouter):
     """Serve request router running ``PrefixPolicy`` over a local mirror of the replicas' KV events.
 
     A background task on the router's event loop polls the state actor (``state.py``) every
-    ``sync_interval_s`` while the cluster is busy (this router has requests in flight, the last
-    poll brought KV events, or a replica runs or queues requests), else every
+    ``sync_interval_s`` while the cluster is busy (this router has requests in flight or decided
+    one in the last RECENT_REQUEST_S, the last poll brought KV events, or a replica runs or queues
+    requests), else every
     ``idle_sync_interval_s``, and applies the new events, so ``choose_replicas`` never awaits
     anything. (Each poll is a Ray actor call on the cores the engines run on: see
     app.PUBLISH_PERIOD_S, which replicas publish at.)
@@ -320,6 +327,7 @@ class PrefixAwareRouter(RequestRouter):
         self.policy = PrefixPolicy(PrefixRouterConfig(**policy_kwargs))
         self.sync_interval_s = sync_interval_s
         self.idle_sync_interval_s = idle_sync_interval_s
+        self._last_request = -math.inf  # monotonic time of the last decision (see RECENT_REQUEST_S)
         self.stats_max_age_s = stats_max_age_s
         self.sync_from_actor = sync_from_actor
         self.in_flight: defaultdict[str, int] = defaultdict(int)
@@ -354,6 +362,8 @@ class PrefixAwareRouter(RequestRouter):
         """Whether the cluster is busy as of this poll reply: poll again soon."""
         if reply.get("entries") or "snapshot" in reply or any(n > 0 for n in self.in_flight.values()):
             return True
+        if time.monotonic() - self._last_request < RECENT_REQUEST_S:
+            return True  # its KV events come with the replica's publishes after it ends
         stats = reply.get("stats", {}).values()
         return any(s.get("num_running", 0) or s.get("num_waiting", 0) for s in stats)
 
@@ -441,6 +451,7 @@ class PrefixAwareRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         """Rank 1: the policy's choice; rank 2: every other candidate (Serve takes the least queued)."""
         self._ensure_sync()
+        self._last_request = time.monotonic()
         if not candidate_replicas:
             return []
         by_id = {r.replica_id.unique_id: r for r in accepting(candidate_replicas, self.draining)}
