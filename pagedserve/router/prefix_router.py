@@ -302,10 +302,9 @@ class PrefixAwareRouter(RequestRouter):
     A background task on the router's event loop polls the state actor (``state.py``) every
     ``sync_interval_s`` while the cluster is busy (this router has requests in flight or decided
     one in the last RECENT_REQUEST_S, the last poll brought KV events, or a replica runs or queues
-    requests), else every
-    ``idle_sync_interval_s``, and applies the new events, so ``choose_replicas`` never awaits
-    anything. (Each poll is a Ray actor call on the cores the engines run on: see
-    app.PUBLISH_PERIOD_S, which replicas publish at.)
+    requests), else every ``idle_sync_interval_s``, and applies the new events, so
+    ``choose_replicas`` never awaits anything. (Each poll is a Ray actor call on the cores the
+    engines run on: see app.PUBLISH_PERIOD_S, which replicas publish at.)
     Load = the replica's last published stats (or its ``routing_stats``), raised to this router's
     own count of requests in flight to it, which is fresher, plus the uncached prompt blocks of
     those requests (tracked from routed to completed).
