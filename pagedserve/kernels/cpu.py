@@ -12,7 +12,7 @@ a masked SDPA, which on CPU spent more time than the GEMMs at batch 16 (profiled
 gather 9.8 ms and SDPA 14 ms a step, against 19 ms of linears). Prefill and extend chunks in bf16
 run ``cpu_prefill.cpp`` (AMX tiles, or AVX512-BF16 where the CPU has no AMX: prefill_enabled),
 others the reference's SDPA. The same signatures as ``reference.py``. ``cpu_layers.cpp`` runs a
-decode step's Llama layers from C++ where all of them have kernels here (DECODE_LAYERS).
+step's Llama layers from C++ where all of them have kernels here (DECODE_LAYERS, PREFILL_LAYERS).
 
 The extension is compiled on first use (torch's cpp_extension, ``-O3 -march=native``, about a
 minute) into ``$PAGEDSERVE_CACHE_DIR/torch_extensions`` keyed by the sources, torch's version and
@@ -52,10 +52,12 @@ SHARE_BLOCKS = os.environ.get("PAGEDSERVE_CPU_SHARE_BLOCKS", "1") != "0"
 _decode_threads = 0  # see set_decode_threads
 
 
-# Decode steps of a Llama-family model whose linear layers are all bf16 GGUF block records run
-# their decoder layers in one C++ call (cpu_layers.cpp; models/llama.py's _cpu_decode_layers).
-# PAGEDSERVE_CPU_DECODE_LAYERS=0 keeps the modules' Python loop (read once, at import).
+# Steps of a bf16 Llama-family model whose linear layers all have a kernel here or oneDNN's
+# prepacked weights run their decoder layers in one C++ call (cpu_layers.cpp; models/llama.py's
+# _cpu_layers). PAGEDSERVE_CPU_DECODE_LAYERS=0 keeps decode steps in the modules' Python loop,
+# PAGEDSERVE_CPU_PREFILL_LAYERS=0 steps with prefill chunks (both read once, at import).
 DECODE_LAYERS = os.environ.get("PAGEDSERVE_CPU_DECODE_LAYERS", "1") != "0"
+PREFILL_LAYERS = os.environ.get("PAGEDSERVE_CPU_PREFILL_LAYERS", "1") != "0"
 
 
 def decode_threads() -> int:

@@ -700,8 +700,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over KV read in place (CPU); share_blocks: "
         "sequences with leading blocks in common read them once; threads: its thread count (<= 0: torch's)");
-  m.def("llama_decode_layers", &llama_decode_layers, "a decode step's Llama decoder layers (bf16, GGUF block "
-        "records) in one call; returns the final norm's (hidden, residual)");
+  m.def("llama_layers", &llama_layers, "a step's Llama decoder layers (bf16; GGUF block records or oneDNN's "
+        "prepacked weights) in one call; returns the final norm's (hidden, residual)");
   m.def("rms_norm", &rms_norm, "Llama RMSNorm of each row");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place");
   m.def("rotary_neox", &rotary_neox, "NeoX rotary embedding of query and key, in place");

@@ -1,5 +1,5 @@
 // The extension's entry points, declared once: defined in their own .cpp files, bound to Python in
-// cpu_decode.cpp, and called across files (cpu_layers.cpp runs a decode step's layers through them,
+// cpu_decode.cpp, and called across files (cpu_layers.cpp runs a step's layers through them,
 // cpu_prefill.cpp asks cpu_blocks_bf16.cpp whether the AMX tiles were granted).
 #pragma once
 #include <torch/extension.h>
@@ -43,16 +43,24 @@ bool prefill_amx_available();
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& table, int64_t seq_len, double scale, int64_t window, bool use_amx);
 // cpu_layers.cpp
-// hidden [B, H]: the step's embeddings (one token per sequence). Per layer i: norms[2 i] (input)
-// and [2 i + 1] (post-attention) RMSNorm weights; records, features, q8 and amx [4 i + j] for its
-// linears j = qkv, o, gate_up, down (linear_blocks_bf16's arguments); its K and V pools and
-// sliding window (0: none). positions and slot_mapping int64 [B]; block_tables and seq_lens int32
-// (paged_decode's). Returns (hidden, residual) of the last layer: the final norm's input pair, as
-// LlamaModel's loop leaves them.
-std::vector<at::Tensor> llama_decode_layers(
-    at::Tensor hidden, const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-    const at::Tensor& seq_lens, const at::Tensor& cos_sin_cache, const std::vector<at::Tensor>& norms,
-    const std::vector<at::Tensor>& records, const std::vector<int64_t>& features, const std::vector<bool>& q8,
-    const std::vector<bool>& amx, std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
-    const std::vector<int64_t>& windows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-    double scale, bool share_blocks, int64_t threads);
+// hidden [T, H]: the step's embeddings. Per layer i: norms[2 i] (input) and [2 i + 1]
+// (post-attention) RMSNorm weights; for its linears j = qkv, o, gate_up, down, [4 i + j]: the
+// weight's GGUF block records (linear_blocks_bf16's records, features, q8 and amx; an empty tensor
+// where it has none), taken for steps of up to max_rows rows, else its oneDNN-prepacked weight
+// (empty where it has none); its K and V pools and sliding window (0: none). positions and
+// slot_mapping int64 [T]. Attention: without chunks every row is one sequence's one token
+// (decode_tables and decode_lens, int32, paged_decode's); else decode_rows (int64, maybe empty)
+// are such rows, and chunk e is rows extend_starts[e] .. + extend_lens[e] of a sequence of
+// extend_seq_lens[e] tokens with the int32 block table extend_tables[e] (paged_prefill's).
+// Returns (hidden, residual) of the last layer: the final norm's input pair, as LlamaModel's loop
+// leaves them.
+std::vector<at::Tensor> llama_layers(
+    at::Tensor hidden, const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& decode_rows,
+    const at::Tensor& decode_tables, const at::Tensor& decode_lens, const std::vector<int64_t>& extend_starts,
+    const std::vector<int64_t>& extend_lens, const std::vector<int64_t>& extend_seq_lens,
+    const std::vector<at::Tensor>& extend_tables, const at::Tensor& cos_sin_cache, const std::vector<at::Tensor>& norms,
+    const std::vector<at::Tensor>& records, const std::vector<at::Tensor>& packed, const std::vector<int64_t>& features,
+    const std::vector<bool>& q8, const std::vector<bool>& amx, const std::vector<int64_t>& max_rows,
+    std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, const std::vector<int64_t>& windows,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, bool share_blocks,
+    int64_t threads, bool prefill_amx);

@@ -173,44 +173,72 @@ def test_bf16_gguf_blocks_match_transformers_and_answer(smollm2_dir: Path, smoll
     assert "Paris" in _greedy_answer(smollm2_dir, model, config, torch.bfloat16)
 
 
-def test_bf16_decode_layers_in_cpp_equal_the_modules(smollm2_dir: Path, monkeypatch) -> None:
-    """Decode steps of the served bf16 model (GGUF blocks on every linear) run their 30 layers in
-    one C++ call (kernels/cpu_layers.cpp): logits equal the modules' own loop bit for bit, over
-    batches that change and a sliding window, and prefill steps keep the loop. Off with the switch."""
+def _mixed_steps(model: torch.nn.Module, kv_caches: list, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Logits of steps as the scheduler mixes them: two prompts prefilled together, then the third
+    in two chunks beside the others' decode rows (before, around and after the chunk), then
+    decode steps of all three. Greedy tokens from each step's logits."""
+    seqs = PagedSequences(3, max(map(len, prompts)) + 8, 16, 32)
+    out: list[torch.Tensor] = []
+
+    def step(chunks: dict[int, list[int]]) -> dict[int, int]:
+        ids, positions, meta = seqs.step(chunks)
+        logits = model.compute_logits(model(ids, positions, meta, kv_caches))
+        out.append(logits)
+        return {s: int(logits[row].argmax()) for s, row in zip(chunks, PagedSequences.last_rows(meta).tolist())}
+
+    third, half = prompts[2], len(prompts[2]) // 2
+    nxt = step({0: prompts[0], 1: prompts[1]})
+    nxt = step({0: [nxt[0]], 2: third[:half], 1: [nxt[1]]})
+    nxt = {**nxt, **step({2: third[half:], 0: [nxt[0]], 1: [nxt[1]]})}
+    for _ in range(3):
+        nxt = step({s: [t] for s, t in nxt.items()})
+    return out
+
+
+def test_bf16_layers_in_cpp_equal_the_modules(smollm2_dir: Path, monkeypatch) -> None:
+    """Steps of the served bf16 model run their 30 layers in one C++ call (kernels/cpu_layers.cpp):
+    decode steps (GGUF blocks on every linear), prefill steps of several prompts (oneDNN's
+    weights) and steps that mix prefill chunks with decode rows. Logits equal the modules' own loop
+    bit for bit, over batches that change and a sliding window. Off with the switches."""
     from pagedserve.kernels import cpu
     from pagedserve.worker.models import llama
     from pagedserve.worker.worker import Worker
 
-    if not cpu.blocks_bf16_enabled() or cpu.gemm_enabled(torch.bfloat16):
+    if not cpu.blocks_bf16_enabled() or cpu.gemm_enabled(torch.bfloat16) or not cpu.prefill_enabled():
         pytest.skip("bf16 GGUF blocks serve CPUs with AVX512-BF16 and AMX")
     worker = Worker(str(smollm2_dir), dtype="bfloat16")
     model, config = worker.model, worker.hf_config
     prompts = [_chat_ids(smollm2_dir, q) for q in QUESTIONS]
     ran = []
-    real = llama._cpu_decode_layers
-    monkeypatch.setattr(llama, "_cpu_decode_layers", lambda *a: ran.append(r := real(*a)) or r)
+    real = llama._cpu_layers
+    monkeypatch.setattr(llama, "_cpu_layers", lambda *a: ran.append(r := real(*a)) or r)
 
-    def run(in_cpp: bool, window: int | None = None) -> list[torch.Tensor]:
+    def run(steps, in_cpp: bool, window: int | None = None) -> list[torch.Tensor]:
         monkeypatch.setattr(cpu, "DECODE_LAYERS", in_cpp)
+        monkeypatch.setattr(cpu, "PREFILL_LAYERS", in_cpp)
         for layer in model.model.layers[::2]:
             layer.self_attn.attn.sliding_window = window
         try:
             pool = KVPool.for_model(config, num_blocks=32, block_size=16, dtype=torch.bfloat16)
-            return [logits for _, logits in prefill_then_decode(model, pool.kv_caches, prompts, 16, 32, 4)]
+            return steps(model, pool.kv_caches, prompts)
         finally:
             for layer in model.model.layers:
                 layer.self_attn.attn.sliding_window = None
 
-    for window in (None, 5):
-        ran.clear()
-        loop = run(False, window)
-        assert ran == [None] * 5, "the switch keeps every step in the modules"
-        ran.clear()
-        cpp = run(True, window)
-        assert ran[0] is None and all(r is not None for r in ran[1:]), "the prefill keeps the loop"
-        assert len(cpp) == len(loop)
-        for a, b in zip(cpp, loop, strict=True):
-            assert torch.equal(a, b)
+    def batches(model, kv_caches, prompts):
+        return [logits for _, logits in prefill_then_decode(model, kv_caches, prompts, 16, 32, 4)]
+
+    for steps, count in ((batches, 5), (_mixed_steps, 6)):
+        for window in (None, 5):
+            ran.clear()
+            loop = run(steps, False, window)
+            assert ran == [None] * count, "the switches keep every step in the modules"
+            ran.clear()
+            cpp = run(steps, True, window)
+            assert len(ran) == count and all(r is not None for r in ran), "every step runs in C++"
+            assert len(cpp) == len(loop)
+            for a, b in zip(cpp, loop, strict=True):
+                assert torch.equal(a, b)
 
 
 def test_bf16_decode_on_onednn_weights_split_over_the_pool_matches_transformers(

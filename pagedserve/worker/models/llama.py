@@ -21,8 +21,10 @@ from transformers import PretrainedConfig
 from pagedserve.worker.layers import (
     Attention,
     AttentionMetadata,
+    ONEDNN_SPLIT_MAX_ROWS,
     Bf16Blocks,
     MergedColumnParallelLinear,
+    OnednnParts,
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
@@ -153,7 +155,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[Tensor, Tensor]]) -> Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        in_cpp = _cpu_decode_layers(self, hidden, positions, meta, kv_caches)
+        in_cpp = _cpu_layers(self, hidden, positions, meta, kv_caches)
         if in_cpp is not None:
             hidden, residual = in_cpp
         else:
@@ -163,54 +165,92 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-def _cpu_decode_layers(model: LlamaModel, hidden: Tensor, positions: Tensor, meta: AttentionMetadata,
-                       kv_caches: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor] | None:  # fmt: skip
-    """A decode step's decoder layers in one C++ call (kernels/cpu_layers.cpp: the same kernels in
-    the same order as the modules, results equal bit for bit) where every piece of them has one:
-    bf16 on the CPU backend with the fused ops, one token per sequence, one KV group of bf16
-    pools, every linear layer in bf16 GGUF block records for this many rows and without bias, no
-    per-head norms, one tensor-parallel rank. Returns the final norm's (hidden, residual), or None
-    where the modules' loop runs (``PAGEDSERVE_CPU_DECODE_LAYERS=0``: always)."""
+def _cpu_layers(model: LlamaModel, hidden: Tensor, positions: Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor] | None:  # fmt: skip
+    """A step's decoder layers in one C++ call (kernels/cpu_layers.cpp: the same kernels in the
+    same order as the modules, results equal bit for bit) where every piece of them has one: bf16
+    on the CPU backend with the fused ops, one KV group of bf16 pools, every linear layer without
+    bias and in bf16 GGUF block records for this many rows or prepacked for oneDNN, no per-head
+    norms, one tensor-parallel rank; a step with prefill chunks also needs cpu_prefill.cpp's
+    kernel for them (cpu.prefill_enabled). Returns the final norm's (hidden, residual), or None
+    where the modules' loop runs (``PAGEDSERVE_CPU_DECODE_LAYERS=0``: decode steps,
+    ``PAGEDSERVE_CPU_PREFILL_LAYERS=0``: steps with prefill chunks)."""
     from pagedserve import kernels
 
     ops = kernels.fused_ops(hidden)
     rows = hidden.shape[0]
-    if (ops is None or hidden.dtype != torch.bfloat16 or hidden.dim() != 2 or meta.max_query_len != 1
-            or meta.groups or meta.block_tables.shape[0] != rows or positions.dtype != torch.int64
-            or meta.slot_mapping.dtype != torch.int64):
+    if (ops is None or hidden.dtype != torch.bfloat16 or hidden.dim() != 2 or meta.groups
+            or positions.dtype != torch.int64 or meta.slot_mapping.dtype != torch.int64):
         return None  # fmt: skip
-    from pagedserve.kernels import cpu
+    from pagedserve.kernels import cpu, reference
 
-    if not cpu.DECODE_LAYERS or not hasattr(ops, "llama_decode_layers"):
+    if not hasattr(ops, "llama_layers"):
         return None
-    norms, records, features, q8, amx, windows = [], [], [], [], [], []
+    decode = meta.max_query_len == 1 and meta.block_tables.shape[0] == rows
+    if not (cpu.DECODE_LAYERS if decode else cpu.PREFILL_LAYERS):
+        return None
+    first = model.layers[0].self_attn
+    k0 = kv_caches[0][0]
+    if not decode and not (first.head_dim % 16 == 0 and first.head_dim <= 256 and cpu.prefill_enabled()):
+        return None
+    norms, records, packed, features, q8, amx, max_rows, windows = [], [], [], [], [], [], [], []
     eps = model.layers[0].input_layernorm.eps
+    none = hidden.new_empty(0)
+    split_rows = rows <= ONEDNN_SPLIT_MAX_ROWS and torch.get_num_threads() == 1
     for layer, (k_cache, v_cache) in zip(model.layers, kv_caches, strict=True):
         attn = layer.self_attn
         if (attn.qk_norm or attn.o_proj.tp_size != 1 or k_cache.dtype != torch.bfloat16
                 or v_cache.dtype != torch.bfloat16 or layer.input_layernorm.eps != eps
-                or layer.post_attention_layernorm.eps != eps):
+                or layer.post_attention_layernorm.eps != eps
+                or not (decode or (k_cache.is_contiguous() and v_cache.is_contiguous()))):
             return None  # fmt: skip
         for linear in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            blocks = linear.gemm_weight
-            if not isinstance(blocks, Bf16Blocks) or linear.bias is not None or rows > blocks.max_rows:
+            blocks, dense = linear.gemm_weight, linear.packed_weight
+            if linear.bias is not None or (blocks is not None and not isinstance(blocks, Bf16Blocks)):
                 return None
-            records.append(blocks.records)
+            in_blocks = blocks is not None and rows <= blocks.max_rows
+            if isinstance(dense, OnednnParts):
+                if split_rows and not in_blocks:
+                    return None  # layers.linear splits it over the decode pool
+                dense = dense.whole
+            if not in_blocks and dense is None:
+                return None
+            records.append(blocks.records if blocks is not None else none)
+            q8.append(blocks is not None and blocks.q8)
+            amx.append(blocks is not None and blocks.amx)
+            max_rows.append(blocks.max_rows if blocks is not None else 0)
+            packed.append(dense if dense is not None else none)
             features.append(linear.weight.shape[0])
-            q8.append(blocks.q8)
-            amx.append(blocks.amx)
         norms += (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         windows.append(attn.attn.sliding_window or 0)
-    first = model.layers[0].self_attn
-    tables, lens = meta.block_tables, meta.seq_lens
-    tables = (tables if tables.dtype == torch.int32 else tables.int()).contiguous()
-    lens = (lens if lens.dtype == torch.int32 else lens.int()).contiguous()
+    starts, lens, seq_lens, tables = [], [], [], []
+    if decode:
+        decode_rows = positions.new_empty(0)
+        decode_tables, decode_lens = meta.block_tables, meta.seq_lens
+        decode_tables = (decode_tables if decode_tables.dtype == torch.int32 else decode_tables.int()).contiguous()
+        decode_lens = (decode_lens if decode_lens.dtype == torch.int32 else decode_lens.int()).contiguous()
+    else:  # kernels/cpu.py's paged_attention over the same layout
+        layout = reference._layout(meta.block_tables, meta.seq_lens, meta.query_start_loc, k0)
+        if not layout.extends:
+            return None
+        if layout.decode:
+            decode_rows = layout.decode_rows
+            decode_tables, decode_lens = layout.decode_tables
+        else:
+            decode_rows = positions.new_empty(0)
+            decode_tables = decode_lens = torch.empty(0, dtype=torch.int32)
+        for b in layout.extends:
+            starts.append(layout.starts[b])
+            lens.append(layout.q_lens[b])
+            seq_lens.append(layout.lens[b])
+            table = meta.block_tables[b]
+            tables.append(table if table.dtype == torch.int32 else table.int())
     heads = first.attn
-    hidden, residual = ops.llama_decode_layers(
-        hidden, positions.contiguous(), meta.slot_mapping, tables, lens, first.rotary_emb.cos_sin_cache,
-        norms, records, features, q8, amx, [k for k, _ in kv_caches], [v for _, v in kv_caches], windows,
-        heads.num_heads, heads.num_kv_heads, first.head_dim, eps, heads.scale, cpu.SHARE_BLOCKS,
-        cpu.decode_threads(),
+    hidden, residual = ops.llama_layers(
+        hidden, positions.contiguous(), meta.slot_mapping, decode_rows, decode_tables, decode_lens, starts, lens,
+        seq_lens, tables, first.rotary_emb.cos_sin_cache, norms, records, packed, features, q8, amx, max_rows,
+        [k for k, _ in kv_caches], [v for _, v in kv_caches], windows, heads.num_heads, heads.num_kv_heads,
+        first.head_dim, eps, heads.scale, cpu.SHARE_BLOCKS, cpu.decode_threads(), cpu.prefill_amx_enabled(),
     )  # fmt: skip
     return hidden, residual
 
