@@ -47,7 +47,8 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
 // (post-attention) RMSNorm weights; for its linears j = qkv, o, gate_up, down, [4 i + j]: the
 // weight's GGUF block records (linear_blocks_bf16's records, features, q8 and amx; an empty tensor
 // where it has none), taken for steps of up to max_rows rows, else its oneDNN-prepacked weight
-// (empty where it has none); its K and V pools and sliding window (0: none). positions and
+// (empty where it has none), or where parts[4 i + j] is not empty and the step runs on one torch
+// thread, those (linear_onednn_split's parts and starts); its K and V pools and sliding window (0: none). positions and
 // slot_mapping int64 [T]. Attention: without chunks every row is one sequence's one token
 // (decode_tables and decode_lens, int32, paged_decode's); else decode_rows (int64, maybe empty)
 // are such rows, and chunk e is rows extend_starts[e] .. + extend_lens[e] of a sequence of
@@ -59,7 +60,9 @@ std::vector<at::Tensor> llama_layers(
     const at::Tensor& decode_tables, const at::Tensor& decode_lens, const std::vector<int64_t>& extend_starts,
     const std::vector<int64_t>& extend_lens, const std::vector<int64_t>& extend_seq_lens,
     const std::vector<at::Tensor>& extend_tables, const at::Tensor& cos_sin_cache, const std::vector<at::Tensor>& norms,
-    const std::vector<at::Tensor>& records, const std::vector<at::Tensor>& packed, const std::vector<int64_t>& features,
+    const std::vector<at::Tensor>& records, const std::vector<at::Tensor>& packed,
+    const std::vector<std::vector<at::Tensor>>& parts, const std::vector<std::vector<int64_t>>& part_starts,
+    const std::vector<int64_t>& features,
     const std::vector<bool>& q8, const std::vector<bool>& amx, const std::vector<int64_t>& max_rows,
     std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, const std::vector<int64_t>& windows,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, bool share_blocks,

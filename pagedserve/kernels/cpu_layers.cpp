@@ -1,6 +1,7 @@
 // A step's decoder layers of a Llama-family model in one call: bf16, every linear layer's weight in
 // cpu_blocks_bf16.cpp's GGUF block records (steps of up to a weight's max_rows rows) or prepacked
-// for oneDNN (more rows), attention through cpu_decode.cpp (one-token rows) and cpu_prefill.cpp
+// for oneDNN (more rows; in parts over the decode pool's threads where a step runs on one torch
+// thread), attention through cpu_decode.cpp (one-token rows) and cpu_prefill.cpp
 // (prefill chunks).
 //
 // Why: the layers' work is ~12 calls a layer into this extension or torch (norms, four linears,
@@ -41,7 +42,8 @@ std::vector<at::Tensor> llama_layers(
     const at::Tensor& decode_tables, const at::Tensor& decode_lens, const std::vector<int64_t>& extend_starts,
     const std::vector<int64_t>& extend_lens, const std::vector<int64_t>& extend_seq_lens, const std::vector<at::Tensor>& extend_tables,
     const at::Tensor& cos_sin_cache, const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& records,
-    const std::vector<at::Tensor>& packed, const std::vector<int64_t>& features, const std::vector<bool>& q8,
+    const std::vector<at::Tensor>& packed, const std::vector<std::vector<at::Tensor>>& parts,
+    const std::vector<std::vector<int64_t>>& part_starts, const std::vector<int64_t>& features, const std::vector<bool>& q8,
     const std::vector<bool>& amx, const std::vector<int64_t>& max_rows, std::vector<at::Tensor> k_caches,
     std::vector<at::Tensor> v_caches, const std::vector<int64_t>& windows, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, double eps, double scale, bool share_blocks, int64_t threads, bool prefill_amx) {
@@ -49,7 +51,8 @@ std::vector<at::Tensor> llama_layers(
   const size_t weights = 4 * static_cast<size_t>(layers);
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
                   static_cast<int64_t>(norms.size()) == 2 * layers && records.size() == weights &&
-                  packed.size() == weights && features.size() == weights && q8.size() == weights &&
+                  packed.size() == weights && parts.size() == weights &&
+                  part_starts.size() == weights && features.size() == weights && q8.size() == weights &&
                   amx.size() == weights && max_rows.size() == weights &&
                   static_cast<int64_t>(windows.size()) == layers,
               "llama_layers: per-layer arguments do not match the number of layers");
@@ -65,7 +68,7 @@ std::vector<at::Tensor> llama_layers(
               "llama_layers: a decode step has one table and length a row");
   TORCH_CHECK(features[0] == q_size + 2 * kv_size, "llama_layers: the QKV layer's features are not the heads'");
   for (size_t w = 0; w < weights; ++w)
-    TORCH_CHECK((records[w].numel() > 0 && T <= max_rows[w]) || packed[w].numel() > 0,
+    TORCH_CHECK((records[w].numel() > 0 && T <= max_rows[w]) || packed[w].numel() > 0 || !parts[w].empty(),
                 "llama_layers: weight ", w, " has no kernel for ", T, " rows");
   const bool has_decode = all_decode || decode_rows.numel() > 0;
   at::Tensor residual;
@@ -80,6 +83,8 @@ std::vector<at::Tensor> llama_layers(
       const size_t w = static_cast<size_t>(4 * i + j);
       if (records[w].numel() > 0 && x.size(0) <= max_rows[w])
         return linear_blocks_bf16(x, records[w], c10::nullopt, features[w], q8[w], amx[w]);
+      if (!parts[w].empty() && at::get_num_threads() == 1)  // layers.linear's OnednnParts
+        return linear_onednn_split(x, parts[w], part_starts[w], c10::nullopt);
       return onednn_linear(x, packed[w]);
     };
     at::Tensor qkv = lin(hidden, 0);

@@ -21,6 +21,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "cpu_pool.h"
 #include "cpu_vec.h"
 
 namespace {
@@ -76,7 +77,7 @@ constexpr int64_t kRowGrain = 16;  // rows per task: decode steps (few rows) sta
 template <typename T>
 void rms_rows(const T* x, int64_t xs, const T* w, T* out, int64_t os, int64_t T_, int64_t H, float eps,
               T* res, int64_t rs) {
-  at::parallel_for(0, T_, kRowGrain, [&](int64_t begin, int64_t end) {
+  pagedserve_pool::rows_for(T_, kRowGrain, [&](int64_t begin, int64_t end) {
     std::vector<float> row(H);
     for (int64_t t = begin; t < end; ++t) {
       const T* xr = x + t * xs;
@@ -199,7 +200,7 @@ void rotary_neox(const at::Tensor& positions, at::Tensor& query, at::Tensor& key
   dispatch(query.scalar_type(), "rotary_neox", [&](auto tag) {
     using T = decltype(tag);
     auto rotate = [&](T* x, int64_t stride, int64_t heads) {
-      at::parallel_for(0, T_, kRowGrain, [&](int64_t begin, int64_t end) {
+      pagedserve_pool::rows_for(T_, kRowGrain, [&](int64_t begin, int64_t end) {
         std::vector<float> c(half), s(half);
         for (int64_t t = begin; t < end; ++t) {
           const float* cs = cache + pos[t] * head_dim;
@@ -250,7 +251,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     const T* xp = x.data_ptr<T>();
     T* op = out.data_ptr<T>();
     const int64_t xs = x.stride(0);
-    at::parallel_for(0, T_, kRowGrain, [&](int64_t begin, int64_t end) {
+    pagedserve_pool::rows_for(T_, kRowGrain, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const T* g = xp + t * xs;
         const T* u = g + d;

@@ -171,4 +171,15 @@ void decode_for(int64_t panels, int64_t grain, int64_t unit, const F& fn) {
     at::parallel_for(0, panels, grain, fn);
 }
 
+// fn(begin, end) over [0, n) in pieces of `grain`: on the pool's threads where it has helpers and
+// the step runs on one torch thread (served: every step, prefill chunks included, so that no
+// region waits at a barrier for a thread whose core the HTTP stack holds), else torch's threads.
+template <typename F>
+void rows_for(int64_t n, int64_t grain, const F& fn) {
+  if (n > grain && Pool::get().helpers() > 0 && at::get_num_threads() == 1 && !at::in_parallel_region())
+    pool_for(n, grain, fn);
+  else
+    at::parallel_for(0, n, grain, fn);
+}
+
 }  // namespace pagedserve_pool

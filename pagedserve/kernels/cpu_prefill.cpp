@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "cpu_pool.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include "cpu_vec.h"
@@ -437,7 +438,7 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
   at::BFloat16* vtp = vt.data_ptr<at::BFloat16>();
   for (int64_t i = kbase / bs; i <= (seq_len - 1) / bs; ++i)  // the blocks read below
     TORCH_CHECK(tab[i] >= 0 && tab[i] < num_blocks, "paged_prefill: block ", tab[i], " is outside the pool");
-  at::parallel_for(0, Hkv, 1, [&](int64_t h0, int64_t h1) {
+  pagedserve_pool::rows_for(Hkv, 1, [&](int64_t h0, int64_t h1) {
     for (int64_t h = h0; h < h1; ++h)
       for (int64_t j = kbase; j < seq_len; ++j) {
         const int64_t slot = static_cast<int64_t>(tab[j / bs]) * bs + j % bs;
@@ -451,9 +452,9 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
   const int64_t tiles = (T + G - 1) / G, group = Hq / Hkv;
 #if defined(PAGEDSERVE_PREFILL_AMX)
   if (use_amx && D % 32 == 0 && D <= 128 && prefill_amx_available()) {
-    at::parallel_for(0, Hq * tiles, 1, [&](int64_t w0, int64_t w1) {
-      std::vector<float> sbuf;
-      std::vector<int32_t> pbuf;
+    pagedserve_pool::rows_for(Hq * tiles, 1, [&](int64_t w0, int64_t w1) {
+      thread_local std::vector<float> sbuf;
+      thread_local std::vector<int32_t> pbuf;
       load_prefill_tiles();
       for (int64_t w = w0; w < w1; ++w) {
         const int64_t hq = w / tiles, t0 = (w % tiles) * G, h = hq / group;
@@ -465,7 +466,7 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
   }
 #endif
   (void)use_amx;
-  at::parallel_for(0, Hq * tiles, 1, [&](int64_t w0, int64_t w1) {
+  pagedserve_pool::rows_for(Hq * tiles, 1, [&](int64_t w0, int64_t w1) {
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t hq = w / tiles, t0 = (w % tiles) * G, h = hq / group;
       prefill_tile(a, hq, t0, kcp + h * Lp * D, vtp + h * D * Lp, Lp);

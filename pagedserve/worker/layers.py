@@ -152,7 +152,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: Tensor | Oned
 
         return cpu.extension().linear_packed(x, gemm, bias, weight.shape[0])
     if isinstance(packed, OnednnParts):
-        if x.numel() <= ONEDNN_SPLIT_MAX_ROWS * x.shape[-1] and torch.get_num_threads() == 1:
+        if torch.get_num_threads() == 1:
             from pagedserve.kernels import cpu
 
             return cpu.extension().linear_onednn_split(x, packed.parts, packed.starts, bias)
@@ -223,13 +223,6 @@ def prepack_linear_weights(model: nn.Module, onednn_always: bool = False, gguf_b
     return count
 
 
-# Rows up to which a step on one torch thread runs split oneDNN weights over the decode pool (see
-# split_onednn_weights); steps of more rows (prefill chunks) keep the whole weight on the step's
-# threads, one or all as Worker.calibrate_prefill_threads measured (with the parts on the pool for
-# its one-thread side, served on 2 cores, that calibration measured Serve's startup on the other
-# core as much as the kernels: 78.7 against 73.0 ms in one start, 97.3 against 89.4 in another).
-ONEDNN_SPLIT_MAX_ROWS = 127
-
 # output features of a part of split_onednn_weights: a multiple of oneDNN's AMX / AVX-512 column
 # blocks, and layers narrower than two of them stay whole
 ONEDNN_PART_ALIGN = 32
@@ -238,11 +231,13 @@ ONEDNN_PART_ALIGN = 32
 def split_onednn_weights(model: nn.Module, parts: int, max_bytes: int | None = None) -> int:
     """Prepack every linear layer's whole oneDNN weight (prepack_linear_weights) once more, as
     `parts` parts of consecutive output features (OnednnParts), for the decode pool's threads:
-    steps of up to ONEDNN_SPLIT_MAX_ROWS rows on one torch thread (decode; served, the other cores
-    are the HTTP stack's too) then multiply a part on the caller and one on each helper
-    (cpu_onednn_split.cpp). Other steps keep the whole weight on oneDNN's OpenMP threads: at 256
-    rows the parts one after the other ran 1.1-1.4x slower than the whole weight, and on the pool
-    beside an OpenMP team three threads share two cores. Results are the whole weight's to within
+    steps on one torch thread (served: every step, prefill chunks included; the other cores are
+    the HTTP stack's too) then multiply a part on the caller and one on each helper
+    (cpu_onednn_split.cpp), and a helper whose core is busy takes none. Steps on more torch threads
+    keep the whole weight on oneDNN's OpenMP threads (on the pool beside an OpenMP team three
+    threads would share two cores). In process, one thread (2-vCPU Xeon VM with AMX, 2026-12-07,
+    SmolLM2's four linears at 256 rows, bf16): two parts one after the other took 1.06x the whole
+    weight's time, three 1.19x, four 1.26x. Results are the whole weight's to within
     one rounding (oneDNN may pick another kernel for a narrower weight).
 
     The parts are a second copy of the oneDNN weights: nothing is split where that copy would

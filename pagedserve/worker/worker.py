@@ -67,16 +67,19 @@ PREFILL_CALIBRATE_RETRY_S = 0.02
 # 0: none) and how long they spin after a region before they sleep, in microseconds.
 DECODE_HELPERS = os.environ.get("PAGEDSERVE_CPU_DECODE_HELPERS")
 DECODE_POOL_SPIN_US = int(os.environ.get("PAGEDSERVE_CPU_DECODE_POOL_SPIN_US", "50"))
-# PAGEDSERVE_CPU_ONEDNN_SPLIT=1: where the pool has helpers, steps of few rows on one torch thread
-# run oneDNN's linears split by output features over its threads (layers.split_onednn_weights), if
-# that second copy of the weights takes at most ONEDNN_SPLIT_MEMORY of the host memory left. Off by
-# default: in process (2-vCPU Xeon VM with AMX, 2026-12-06, SmolLM2 bf16, the second core idle) it
-# took the 30 layers' linears at 16 rows from 19.3 to 10.8 ms and decode steps (make bench-step's
-# last table) at batch 8 from 35.7 to 23.8 ms, 16 from 40.6 to 31.0, but served on those 2 cores,
-# where the helper's core is the HTTP stack's too (during c16 it was full: HTTP processes ~40%, the
-# helper ~38%, prefill's OpenMP thread ~17%), alternating runs gave c16 177.2 / 172.2 then 215.4 /
-# 252.2 output tok/s with / without: no gain beyond the VM's drift.
-ONEDNN_SPLIT = os.environ.get("PAGEDSERVE_CPU_ONEDNN_SPLIT", "0") == "1"
+# PAGEDSERVE_CPU_PREFILL_POOL=1: where the decode pool has helpers (served on 2+ cores), every step
+# runs on one torch thread and the pool, prefill chunks included: oneDNN's linears split by output
+# features over the pool's threads (layers.split_onednn_weights, a second copy of those weights if
+# it takes at most ONEDNN_SPLIT_MEMORY of the host memory left), attention and the elementwise
+# kernels in units the pool's threads claim as they come (cpu_pool.h's rows_for), so that no region
+# waits at a barrier for a thread whose core another process holds. Off by default: on a 2-vCPU
+# Xeon VM with AMX (2026-12-07, SmolLM2 bf16) a 256-token prefill in process took 91 ms against 95
+# on two OpenMP threads beside an idle server (its processes take ~17% of a core), 77 against 75
+# with them stopped; served (make bench-peers, pagedserve alone) c1 TTFT p50 125 against 127 ms and
+# c16 317 against 333 output tok/s, TTFT p50 924 against 885 ms: no gain beyond the noise. (What
+# separates the served prefill, ~104 ms a step, from the quiet process's 73 ms is those processes:
+# the same in-process prefill took 94-97 ms while they ran idle, at nice 0 or -10 alike.)
+PREFILL_POOL = os.environ.get("PAGEDSERVE_CPU_PREFILL_POOL", "0") == "1"
 ONEDNN_SPLIT_MEMORY = 0.25
 CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB: ~1,450 blocks of 16 tokens for SmolLM2-135M in fp32
 
@@ -229,10 +232,11 @@ class Worker:
         self.block_size = block_size
         if self.device.type == "cpu" and self.tp_size == 1 and self.max_threads > 1:
             self.calibrate_threads()
-        # served: prefill_threads includes the cores reserved for the HTTP stack
-        wide = self.prefill_threads > self.max_threads
         if self.device.type == "cpu" and self.tp_size == 1:
             self.configure_decode_pool()
+        # served: prefill_threads includes the cores reserved for the HTTP stack (unless the pool
+        # takes the prefill chunks: PREFILL_POOL)
+        wide = self.prefill_threads > self.max_threads
         if self.device.type == "cpu" and self.tp_size == 1 and wide and PREFILL_CALIBRATE:
             self.calibrate_prefill_threads()
 
@@ -246,11 +250,13 @@ class Worker:
             helpers = 0
         if helpers and cpu_kernels.set_decode_pool(helpers, DECODE_POOL_SPIN_US):
             split = 0
-            if ONEDNN_SPLIT:  # a second copy of the weights, in at most a share of the memory left
+            if PREFILL_POOL:  # a second copy of the weights, in at most a share of the memory left
                 room = int(host_memory()[0] * ONEDNN_SPLIT_MEMORY)
                 split = split_onednn_weights(self.model, helpers + 1, room)
-            logger.info("decode steps' linears and attention take %d helper thread(s) beside the step's own; "
-                        "%d oneDNN linear layers split over them", helpers, split)  # fmt: skip
+                self.prefill_threads = self.max_threads
+            logger.info("%s steps' linears and attention take %d helper thread(s) beside the step's own; "
+                        "%d oneDNN linear layers split over them", "all" if PREFILL_POOL else "decode",
+                        helpers, split)  # fmt: skip
             return helpers
         return 0
 

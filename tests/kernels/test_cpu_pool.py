@@ -97,16 +97,17 @@ def test_a_caller_whose_helpers_never_run_finishes_alone(helpers) -> None:
 CASES = [(1, 2, None, 1), (1, 1, None, 0), (2, 4, None, 3), (1, 2, "0", 0), (1, 1, "2", 2)]
 
 
-@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("pooled", [False, True])
 @pytest.mark.parametrize(("threads", "prefill", "env", "expected"), CASES)
 def test_the_worker_starts_helpers_only_on_reserved_cores(monkeypatch, threads, prefill, env, expected,
-                                                          split) -> None:  # fmt: skip
-    """And splits oneDNN's weights over them where PAGEDSERVE_CPU_ONEDNN_SPLIT=1 (ONEDNN_SPLIT)."""
+                                                          pooled) -> None:  # fmt: skip
+    """And, with PREFILL_POOL (the default; PAGEDSERVE_CPU_PREFILL_POOL=0 turns it off), splits
+    oneDNN's weights over them and runs prefill chunks on the torch threads and the pool."""
     from pagedserve.worker import worker as worker_mod
 
     calls = []
     monkeypatch.setattr(worker_mod, "DECODE_HELPERS", env)
-    monkeypatch.setattr(worker_mod, "ONEDNN_SPLIT", split)
+    monkeypatch.setattr(worker_mod, "PREFILL_POOL", pooled)
     monkeypatch.setattr(worker_mod.cpu_kernels, "set_decode_pool", lambda n, spin: calls.append(n) or True)
     splits = []
     monkeypatch.setattr(worker_mod, "split_onednn_weights",
@@ -115,7 +116,8 @@ def test_the_worker_starts_helpers_only_on_reserved_cores(monkeypatch, threads, 
     w.max_threads, w.prefill_threads, w.model = threads, prefill, None
     assert w.configure_decode_pool() == expected
     assert calls == ([expected] if expected else [])
-    assert splits == ([expected + 1] if expected and split else [])  # a part for the caller, one a helper
+    assert splits == ([expected + 1] if expected and pooled else [])  # a part for the caller, one a helper
+    assert w.prefill_threads == (threads if expected and pooled else prefill)
 
 
 @pytest.fixture
@@ -145,16 +147,14 @@ def test_onednn_linears_split_over_the_pool_equal_the_parts_on_one_thread(helper
     """count helpers, count + 1 parts. Whichever thread runs a part, the result is the one the
     caller alone gives bit for bit; against the whole weight, oneDNN may pick another kernel for a
     narrower part (its sums in another order): within one rounding of the output there. Steps on
-    more torch threads, or of more rows, keep the whole weight."""
+    more torch threads keep the whole weight."""
     from pagedserve.worker import layers
 
     torch.manual_seed(count)
     lin = _onednn_layer(1000, 576, dtype)
-    xs = [torch.randn(rows, 576, dtype=dtype) for rows in (1, 5, 16, layers.ONEDNN_SPLIT_MAX_ROWS)]
+    xs = [torch.randn(rows, 576, dtype=dtype) for rows in (1, 5, 16, 127, 256)]  # 256: a prefill chunk
     xs.append(torch.randn(3, 7, 576, dtype=dtype))
-    longer = torch.randn(layers.ONEDNN_SPLIT_MAX_ROWS + 1, 576, dtype=dtype)  # a prefill chunk: whole
     whole = [lin(x) for x in xs]
-    longer_whole = lin(longer)
     assert layers.split_onednn_weights(lin, count + 1) == 1
     parts = lin.packed_weight
     assert isinstance(parts, layers.OnednnParts) and len(parts.parts) == count + 1
@@ -178,7 +178,6 @@ def test_onednn_linears_split_over_the_pool_equal_the_parts_on_one_thread(helper
     atol = 0.05 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(alone[2].double(), exact, atol=atol, rtol=0.02)
     calls.clear()
-    assert torch.equal(lin(longer), longer_whole)
     torch.set_num_threads(2)
     for x, expected in zip(xs, whole):
         assert torch.equal(lin(x), expected), x.shape
@@ -211,3 +210,40 @@ def test_split_onednn_weights_keeps_narrow_layers_whole_and_rejects_bad_inputs(h
                        torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(
                            wide.weight.detach()), wide.bias.detach(), "none", [], ""))  # fmt: skip
 
+
+
+@torch.inference_mode()
+def test_prefill_kernels_on_the_pool_equal_one_thread(helpers, one_thread) -> None:
+    """A step on one torch thread with helpers (PAGEDSERVE_CPU_PREFILL_POOL=1) runs the elementwise
+    kernels and the prefill attention in units over the pool: results equal the caller alone's bit
+    for bit, over many regions in a row (units change hands between the threads)."""
+    torch.manual_seed(0)
+    dtype = torch.bfloat16
+    rows, head_dim, heads, kv_heads = 200, 64, 9, 3
+    x = torch.randn(rows, 3072, dtype=dtype)
+    hidden, residual = (torch.randn(rows, 576, dtype=dtype) for _ in range(2))
+    weight = torch.randn(576, dtype=dtype)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    freqs = torch.outer(torch.arange(1024).float(), inv_freq)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1).contiguous()
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    positions = torch.arange(100, 100 + rows)
+    k_cache, v_cache = (torch.randn(40, 16, kv_heads, head_dim, dtype=dtype) for _ in range(2))
+    table = torch.randperm(40)[:19].int()
+
+    def run() -> list[torch.Tensor]:
+        h, r, q = hidden.clone(), residual.clone(), qkv.clone()
+        ext.fused_add_rms_norm(h, r, weight, 1e-5)
+        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        ext.rotary_neox(positions, q[:, :q_size], q[:, q_size : q_size + kv_size], cos_sin, head_dim)
+        out = [ext.silu_and_mul(x), ext.rms_norm(hidden, weight, 1e-5), h, r, q]
+        if ext.prefill_bf16_available():
+            query = q[:, : heads * head_dim].view(rows, heads, head_dim)
+            out.append(ext.paged_prefill(query, k_cache, v_cache, table, 300, 0.125, 0, True))
+        return out
+
+    alone = run()
+    helpers(1)
+    for _ in range(10):
+        for got, expected in zip(run(), alone, strict=True):
+            assert torch.equal(got, expected)

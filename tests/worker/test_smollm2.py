@@ -184,7 +184,8 @@ def _mixed_steps(model: torch.nn.Module, kv_caches: list, prompts: list[list[int
         ids, positions, meta = seqs.step(chunks)
         logits = model.compute_logits(model(ids, positions, meta, kv_caches))
         out.append(logits)
-        return {s: int(logits[row].argmax()) for s, row in zip(chunks, PagedSequences.last_rows(meta).tolist())}
+        rows = PagedSequences.last_rows(meta).tolist()
+        return {s: int(logits[row].argmax()) for s, row in zip(chunks, rows, strict=True)}
 
     third, half = prompts[2], len(prompts[2]) // 2
     nxt = step({0: prompts[0], 1: prompts[1]})

@@ -21,7 +21,6 @@ from transformers import PretrainedConfig
 from pagedserve.worker.layers import (
     Attention,
     AttentionMetadata,
-    ONEDNN_SPLIT_MAX_ROWS,
     Bf16Blocks,
     MergedColumnParallelLinear,
     OnednnParts,
@@ -193,10 +192,9 @@ def _cpu_layers(model: LlamaModel, hidden: Tensor, positions: Tensor, meta: Atte
     k0 = kv_caches[0][0]
     if not decode and not (first.head_dim % 16 == 0 and first.head_dim <= 256 and cpu.prefill_enabled()):
         return None
-    norms, records, packed, features, q8, amx, max_rows, windows = [], [], [], [], [], [], [], []
+    norms, records, packed, parts, starts_of, features, q8, amx, max_rows, windows = ([] for _ in range(10))
     eps = model.layers[0].input_layernorm.eps
     none = hidden.new_empty(0)
-    split_rows = rows <= ONEDNN_SPLIT_MAX_ROWS and torch.get_num_threads() == 1
     for layer, (k_cache, v_cache) in zip(model.layers, kv_caches, strict=True):
         attn = layer.self_attn
         if (attn.qk_norm or attn.o_proj.tp_size != 1 or k_cache.dtype != torch.bfloat16
@@ -209,12 +207,15 @@ def _cpu_layers(model: LlamaModel, hidden: Tensor, positions: Tensor, meta: Atte
             if linear.bias is not None or (blocks is not None and not isinstance(blocks, Bf16Blocks)):
                 return None
             in_blocks = blocks is not None and rows <= blocks.max_rows
-            if isinstance(dense, OnednnParts):
-                if split_rows and not in_blocks:
-                    return None  # layers.linear splits it over the decode pool
-                dense = dense.whole
             if not in_blocks and dense is None:
                 return None
+            if isinstance(dense, OnednnParts):  # layers.linear's split over the decode pool
+                parts.append(dense.parts)
+                starts_of.append(dense.starts)
+                dense = dense.whole
+            else:
+                parts.append([])
+                starts_of.append([])
             records.append(blocks.records if blocks is not None else none)
             q8.append(blocks is not None and blocks.q8)
             amx.append(blocks is not None and blocks.amx)
@@ -226,9 +227,9 @@ def _cpu_layers(model: LlamaModel, hidden: Tensor, positions: Tensor, meta: Atte
     starts, lens, seq_lens, tables = [], [], [], []
     if decode:
         decode_rows = positions.new_empty(0)
-        decode_tables, decode_lens = meta.block_tables, meta.seq_lens
-        decode_tables = (decode_tables if decode_tables.dtype == torch.int32 else decode_tables.int()).contiguous()
-        decode_lens = (decode_lens if decode_lens.dtype == torch.int32 else decode_lens.int()).contiguous()
+        decode_tables, decode_lens = (t if t.dtype == torch.int32 else t.int() for t in (meta.block_tables,
+                                                                                         meta.seq_lens))
+        decode_tables, decode_lens = decode_tables.contiguous(), decode_lens.contiguous()
     else:  # kernels/cpu.py's paged_attention over the same layout
         layout = reference._layout(meta.block_tables, meta.seq_lens, meta.query_start_loc, k0)
         if not layout.extends:
@@ -247,8 +248,9 @@ def _cpu_layers(model: LlamaModel, hidden: Tensor, positions: Tensor, meta: Atte
             tables.append(table if table.dtype == torch.int32 else table.int())
     heads = first.attn
     hidden, residual = ops.llama_layers(
-        hidden, positions.contiguous(), meta.slot_mapping, decode_rows, decode_tables, decode_lens, starts, lens,
-        seq_lens, tables, first.rotary_emb.cos_sin_cache, norms, records, packed, features, q8, amx, max_rows,
+        hidden, positions.contiguous(), meta.slot_mapping, decode_rows, decode_tables, decode_lens, starts,
+        lens, seq_lens, tables, first.rotary_emb.cos_sin_cache, norms, records, packed, parts, starts_of,
+        features, q8, amx, max_rows,
         [k for k, _ in kv_caches], [v for _, v in kv_caches], windows, heads.num_heads, heads.num_kv_heads,
         first.head_dim, eps, heads.scale, cpu.SHARE_BLOCKS, cpu.decode_threads(), cpu.prefill_amx_enabled(),
     )  # fmt: skip
