@@ -10,9 +10,9 @@
 // Measured there, one helper: 30 layers at 16 rows 19.3 -> 10.8 ms; 256 rows 33 ms against 32
 // for the whole weight on two OpenMP threads; the parts run one after the other (no helper) cost
 // 10-40% more than the whole weight, so the split is made only where the pool has helpers, and
-// only for steps of few rows on one torch thread (layers.linear). Opt-in
-// (PAGEDSERVE_CPU_ONEDNN_SPLIT=1): served on those 2 vCPUs the helper's core had no time to spare
-// and c16 gained nothing beyond the VM's drift (worker.py's ONEDNN_SPLIT).
+// only for steps on one torch thread (layers.linear). Opt-in (PAGEDSERVE_CPU_PREFILL_POOL=1,
+// worker.py's PREFILL_POOL, which also puts prefill chunks on the pool): served on those 2 vCPUs
+// the helper's core had no time to spare, and neither c16 nor c1 gained beyond the VM's drift.
 //
 // Results do not depend on which thread runs a part. Against the whole weight they may differ in
 // the last bit where oneDNN picks another kernel for a narrower weight (its sums over K then run in
