@@ -33,7 +33,7 @@ from tests.clients import Stream, wait_until
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "local-cluster.yaml"
 ADMIN_TOKEN = "multinode-admin-token"
 REQUEST_TIMEOUT_S = 60.0  # every request's deadline: nothing may hang
-STREAMS = 6  # in flight when the node is lost: 3 on each replica (max_num_seqs 4)
+STREAMS = 6  # in flight when the node is lost, on both replicas (max_num_seqs 4 each)
 STREAM_TOKENS = 200
 PROBE_WINDOW_S = 25.0  # new requests sent for this long after the kill
 
@@ -197,10 +197,17 @@ def _serve_lose_and_recover(cluster: localcluster.LocalCluster, http: httpx2.Cli
                          daemon=True).start()  # fmt: skip
 
     def victim() -> str | None:
-        running = {node: r["num_running"] for node, r in replicas_by_node(http).items()}
-        if min(running.values()) < 1 or sum(s.tokens > 0 for s in streams) < 4:
+        # Each replica publishes its counts a step late; once they add up to every stream, each is
+        # exact. The busier replica's node is lost, so the survivor holds at most 3 of the 6 and
+        # has a free sequence slot for new requests (were it the one running 4 = max_num_seqs,
+        # they would queue behind its 200-token streams: the failover would measure that).
+        by_node = replicas_by_node(http)
+        held = {node: r["num_running"] + r["num_waiting"] for node, r in by_node.items()}
+        if sum(held.values()) != STREAMS or min(r["num_running"] for r in by_node.values()) < 1:
             return None
-        return max(running, key=running.get)
+        if sum(s.tokens > 0 for s in streams) < 4:
+            return None
+        return max(held, key=held.get)
 
     lost_node = wait_until(victim, "streams running on both replicas", 120, period=0.1)
     survivor_node = next(n for n in on_nodes if n != lost_node)
