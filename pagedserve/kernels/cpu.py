@@ -49,6 +49,11 @@ swap_blocks = reference.swap_blocks
 # block-major, instead of once per sequence. PAGEDSERVE_CPU_SHARE_BLOCKS=0 turns that off (for
 # benchmarks: the results are the same).
 SHARE_BLOCKS = os.environ.get("PAGEDSERVE_CPU_SHARE_BLOCKS", "1") != "0"
+# bf16 decode attention on AMX tiles (cpu_decode.cpp's decode_bf16_amx: the query rows of every
+# sequence that reads a shared block in one tile product) where the CPU has AMX-BF16 and the OS
+# grants its tiles, for block sizes that are a multiple of 16 and head dims a multiple of 32;
+# PAGEDSERVE_CPU_DECODE_AMX=0 keeps the AVX512-BF16 loop (read once, at import).
+DECODE_AMX = os.environ.get("PAGEDSERVE_CPU_DECODE_AMX", "1") != "0"
 _decode_threads = 0  # see set_decode_threads
 
 
@@ -127,10 +132,12 @@ def extension() -> ModuleType | None:
 
         build = _build_dir()
         build.mkdir(parents=True, exist_ok=True)
-        return load(name="pagedserve_cpu_decode", sources=[str(p) for p in SOURCES],
-                    build_directory=str(build),
-                    extra_cflags=["-O3", f"-march={_march()}", "-ffast-math", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=False)  # fmt: skip
+        module = load(name="pagedserve_cpu_decode", sources=[str(p) for p in SOURCES],
+                      build_directory=str(build),
+                      extra_cflags=["-O3", f"-march={_march()}", "-ffast-math", "-fopenmp"],
+                      extra_ldflags=["-fopenmp"], verbose=False)  # fmt: skip
+        module.set_decode_amx(DECODE_AMX)
+        return module
     except Exception as exc:  # no compiler, no headers: the reference serves, slower
         logger.warning("CPU decode kernel unavailable (%s: %s); using the torch reference",
                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")  # fmt: skip
@@ -193,6 +200,12 @@ def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
             or slot_mapping.dtype != torch.int64):
         return reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
     ext.write_kv(key.flatten(1), value.flatten(1), k_cache, v_cache, slot_mapping.contiguous())
+
+
+def decode_amx_enabled() -> bool:
+    """Whether bf16 decode attention runs on AMX tiles (see DECODE_AMX; for the shapes it takes)."""
+    ext = extension()
+    return ext is not None and ext.decode_amx_available()
 
 
 def paged_decode(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,

@@ -23,6 +23,10 @@
 #include "cpu_kernels.h"
 #include "cpu_pool.h"
 #include "cpu_vec.h"
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include "cpu_amx.h"
+#define PAGEDSERVE_DECODE_AMX 1
+#endif
 
 namespace {
 
@@ -94,9 +98,22 @@ constexpr bool kVectorized = false;
 // scores[i] <- exp(scores[i] - max); returns the sum.
 inline float exp_shifted(float* scores, int64_t n) {
   float m = scores[0];
-  for (int64_t i = 1; i < n; ++i) m = std::max(m, scores[i]);
-  float sum = 0.0f;
   int64_t i = 0;
+#if defined(__AVX512F__)
+  if (n >= 64) {  // four chains: one waits on vmaxps' latency every 16 scores
+    __m512 m0 = _mm512_loadu_ps(scores), m1 = m0, m2 = m0, m3 = m0;
+    for (; i + 64 <= n; i += 64) {
+      m0 = _mm512_max_ps(m0, _mm512_loadu_ps(scores + i));
+      m1 = _mm512_max_ps(m1, _mm512_loadu_ps(scores + i + 16));
+      m2 = _mm512_max_ps(m2, _mm512_loadu_ps(scores + i + 32));
+      m3 = _mm512_max_ps(m3, _mm512_loadu_ps(scores + i + 48));
+    }
+    m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
+  }
+#endif
+  for (; i < n; ++i) m = std::max(m, scores[i]);
+  float sum = 0.0f;
+  i = 0;
 #if defined(__AVX512F__)
   __m512 vsum = _mm512_setzero_ps();
   const __m512 vm = _mm512_set1_ps(m);
@@ -131,6 +148,18 @@ inline void prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
 }
+
+// The scratch of one sequence in a decode task: its visible keys [start, len) in table entries
+// [first, last]; its query rows in fp32, scaled (the kernels that widen q); scores [Hq, n], then
+// their exponentials; the P . V accumulators [Hq, D]; one K or V row widened (the generic loop).
+struct Slot {
+  int64_t b = 0, start = 0, len = 0, n = 0, first = 0, last = 0;
+  std::vector<float> qf, scores, acc, inv, row;
+  // the visible keys [t0, t1) of table entry j, with blocks of bs tokens
+  std::pair<int64_t, int64_t> keys(int64_t j, int64_t bs) const {
+    return {std::max(start, j * bs), std::min(len, (j + 1) * bs)};
+  }
+};
 
 // The shapes, strides and pointers of one paged_decode call (layout above), and the steps every
 // kernel takes per sequence: its visible keys, its blocks, its output rows.
@@ -177,6 +206,41 @@ struct Paged {
     }
   }
 
+  // The slots of sequences order[0 .. count) that see a key (zero output rows for the others),
+  // their scratch sized and zeroed; returns how many.
+  int64_t begin_slots(const int64_t* order, int64_t count, int64_t window, std::vector<Slot>& slots) const {
+    if (static_cast<int64_t>(slots.size()) < count) slots.resize(count);
+    int64_t live = 0;
+    for (int64_t k = 0; k < count; ++k) {
+      const int64_t b = order[k], len = lens[b], start = first_key(b, window);
+      if (len - start <= 0) {
+        store_zeros(b);
+        continue;
+      }
+      Slot& s = slots[live++];
+      s.b = b, s.start = start, s.len = len, s.n = len - start, s.first = start / bs, s.last = (len - 1) / bs;
+      s.scores.resize(Hq * s.n);
+      s.acc.assign(Hq * D, 0.0f);
+      s.inv.resize(Hq);
+    }
+    return live;
+  }
+
+  // How many leading table entries every one of the slots has in common (0 for one slot; runs of
+  // more than one start at key 0).
+  int64_t shared_entries(const Slot* slots, int64_t live) const {
+    int64_t shared = live > 1 ? slots[0].last + 1 : 0;
+    for (int64_t k = 1; k < live && shared > 0; ++k) {
+      const int32_t* lead_row = tables + slots[0].b * max_blocks;
+      const int32_t* row = tables + slots[k].b * max_blocks;
+      int64_t e = 0;
+      const int64_t limit = std::min(shared, slots[k].last + 1);
+      while (e < limit && row[e] == lead_row[e]) ++e;
+      shared = e;
+    }
+    return shared;
+  }
+
   // Sequence b's output rows: acc [Hq, D], each head's row times inv[head].
   void store(int64_t b, const float* acc, const float* inv) const {
     for (int64_t hq = 0; hq < Hq; ++hq)
@@ -184,19 +248,49 @@ struct Paged {
   }
 };
 
-// The scratch of one sequence in a decode task: its visible keys [start, len) in table entries
-// [first, last]; its query rows in fp32, scaled (the kernels that widen q); scores [Hq, n], then
-// their exponentials; the P . V accumulators [Hq, D]; one K or V row widened (the generic loop).
-struct Slot {
-  int64_t b = 0, start = 0, len = 0, n = 0, first = 0, last = 0;
-  std::vector<float> qf, scores, acc, inv, row;
-  // the visible keys [t0, t1) of table entry j, with blocks of bs tokens
-  std::pair<int64_t, int64_t> keys(int64_t j, int64_t bs) const {
-    return {std::max(start, j * bs), std::min(len, (j + 1) * bs)};
-  }
-};
-
 constexpr int64_t kMaxGroup = 64;  // sequences visited together over their shared blocks
+
+// Runs task(begin, end, scratch) over `order` (the sequences of one call, those whose tables begin
+// with the same block, lead(b), next to each other where `group`): one task over all of it where
+// one thread serves, else over units.
+template <typename Scratch, typename Lead, typename Task>
+void run_units(int64_t B, bool group, const std::vector<int64_t>& order, const Lead& lead, int64_t threads,
+               const Task& task) {
+  // On `threads` threads (<= 0: torch's count; the caller may ask for more threads than the rest
+  // of its step runs on, where the KV to read makes this region long), each taking the next unit
+  // of `order` as it finishes one: a thread on a core busy with something else (served, the HTTP
+  // stack's) then leaves its share to the others instead of holding up the region. Units: one
+  // sequence, or up to kPiece of a run sharing blocks (each unit reads those blocks once).
+  pagedserve_pool::Pool& pool = pagedserve_pool::Pool::get();
+  const bool pooled = threads <= 0 && pool.helpers() > 0 && !at::in_parallel_region();
+  const int64_t nt = pooled ? B : std::min<int64_t>(B, threads > 0 ? threads : at::get_num_threads());
+  if (nt <= 1 || at::in_parallel_region()) {
+    Scratch scratch;
+    task(0, B, scratch);
+    return;
+  }
+  constexpr int64_t kPiece = 4;
+  std::vector<std::pair<int64_t, int64_t>> units;
+  for (int64_t i = 0; i < B;) {
+    int64_t r = i + 1;
+    if (group)
+      while (r < B && r - i < kPiece && lead(order[r]) == lead(order[i])) ++r;
+    units.emplace_back(i, r);
+    i = r;
+  }
+  const int64_t num_units = static_cast<int64_t>(units.size());
+  if (pooled) {  // the decode pool's threads (cpu_pool.h), one scratch each
+    std::vector<Scratch> scratch(pool.helpers() + 1);
+    pool.run(num_units, [&](int64_t u, int worker) { task(units[u].first, units[u].second, scratch[worker]); });
+    return;
+  }
+  std::atomic<int64_t> next_unit{0};
+#pragma omp parallel num_threads(static_cast<int>(nt))
+  {
+    Scratch scratch;
+    for (int64_t u = next_unit++; u < num_units; u = next_unit++) task(units[u].first, units[u].second, scratch);
+  }
+}
 
 // Runs a decode kernel over the sequences of one call. Sequences whose tables begin with the same
 // blocks (a prompt prefix cached once and shared by reference, the forks of one request) are
@@ -234,31 +328,9 @@ void visit_sequences(const Paged<T>& pg, int64_t window, bool group, int64_t thr
       int64_t r = i + 1;
       if (group)
         while (r < end && r - i < kMaxGroup && lead(order[r]) == lead(order[i])) ++r;
-      if (static_cast<int64_t>(slots.size()) < r - i) slots.resize(r - i);
-      int64_t live = 0;
-      for (int64_t k = i; k < r; ++k) {
-        const int64_t b = order[k], len = pg.lens[b], start = pg.first_key(b, window);
-        if (len - start <= 0) {
-          pg.store_zeros(b);
-          continue;
-        }
-        Slot& s = slots[live++];
-        s.b = b, s.start = start, s.len = len, s.n = len - start, s.first = start / bs, s.last = (len - 1) / bs;
-        s.scores.resize(Hq * s.n);
-        s.acc.assign(Hq * D, 0.0f);
-        s.inv.resize(Hq);
-        kern.begin(s);
-      }
-      // leading table entries equal in every member (runs of more than one start at key 0)
-      int64_t shared = live > 1 ? slots[0].last + 1 : 0;
-      for (int64_t k = 1; k < live && shared > 0; ++k) {
-        const int32_t* lead_row = pg.tables + slots[0].b * pg.max_blocks;
-        const int32_t* row = pg.tables + slots[k].b * pg.max_blocks;
-        int64_t e = 0;
-        const int64_t limit = std::min(shared, slots[k].last + 1);
-        while (e < limit && row[e] == lead_row[e]) ++e;
-        shared = e;
-      }
+      const int64_t live = pg.begin_slots(order.data() + i, r - i, window, slots);
+      for (int64_t k = 0; k < live; ++k) kern.begin(slots[k]);
+      const int64_t shared = pg.shared_entries(slots.data(), live);
       walk.clear();
       for (int64_t j = 0; j < shared; ++j)
         for (int64_t k = 0; k < live; ++k) walk.push_back({k, j, pg.block(slots[k].b, j)});
@@ -298,40 +370,7 @@ void visit_sequences(const Paged<T>& pg, int64_t window, bool group, int64_t thr
       i = r;
     }
   };
-  // On `threads` threads (<= 0: torch's count; the caller may ask for more threads than the rest
-  // of its step runs on, where the KV to read makes this region long), each taking the next unit
-  // of `order` as it finishes one: a thread on a core busy with something else (served, the HTTP
-  // stack's) then leaves its share to the others instead of holding up the region. Units: one
-  // sequence, or up to kPiece of a run sharing blocks (each unit reads those blocks once).
-  pagedserve_pool::Pool& pool = pagedserve_pool::Pool::get();
-  const bool pooled = threads <= 0 && pool.helpers() > 0 && !at::in_parallel_region();
-  const int64_t nt = pooled ? B : std::min<int64_t>(B, threads > 0 ? threads : at::get_num_threads());
-  if (nt <= 1 || at::in_parallel_region()) {
-    Scratch scratch;
-    task(0, B, scratch);
-    return;
-  }
-  constexpr int64_t kPiece = 4;
-  std::vector<std::pair<int64_t, int64_t>> units;
-  for (int64_t i = 0; i < B;) {
-    int64_t r = i + 1;
-    if (group)
-      while (r < B && r - i < kPiece && lead(order[r]) == lead(order[i])) ++r;
-    units.emplace_back(i, r);
-    i = r;
-  }
-  const int64_t num_units = static_cast<int64_t>(units.size());
-  if (pooled) {  // the decode pool's threads (cpu_pool.h), one scratch each
-    std::vector<Scratch> scratch(pool.helpers() + 1);
-    pool.run(num_units, [&](int64_t u, int worker) { task(units[u].first, units[u].second, scratch[worker]); });
-    return;
-  }
-  std::atomic<int64_t> next_unit{0};
-#pragma omp parallel num_threads(static_cast<int>(nt))
-  {
-    Scratch scratch;
-    for (int64_t u = next_unit++; u < num_units; u = next_unit++) task(units[u].first, units[u].second, scratch);
-  }
+  run_units<Scratch>(B, group, order, lead, threads, task);
 }
 
 template <typename T>
@@ -525,6 +564,280 @@ void decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
                   _mm512_set1_ps(static_cast<float>(scale))};
   visit_sequences(pg, window, group, threads, kern);
 }
+
+#if defined(PAGEDSERVE_DECODE_AMX)
+// bf16 decode on AMX tiles (CPUs with AMX-BF16 whose OS grants the tiles), for block sizes that
+// are a multiple of 16 and head dims a multiple of 32. The work is cut into row sets: up to 16
+// query rows of one KV head, as (sequence, query head) pairs. Over the leading blocks that the
+// sequences of a task share (a cached prompt prefix, the forks of one request) a row set holds
+// the rows of all of them, so one tile product serves every sequence that reads the block; over
+// a sequence's own blocks, its own rows.
+//
+// Why: in a served decode step over a shared 512-token prefix (16 sequences of ~800 tokens,
+// SmolLM2 bf16, 2-vCPU Xeon with AMX) the vdpbf16ps kernel above took 35% of the engine's samples,
+// each sequence doing its own arithmetic over the shared blocks (read once, but computed 16 times).
+//
+// 1. Scores, 16 keys a time: S^T [16 keys][rows] = K (A: the block's rows of the head read in
+//    place, 32 features a step) times Q^T (B: the rows' queries as feature pairs, made once a
+//    task); each row's column gathered into its sequence's scores, times the scale. Every score
+//    is a dot product of its own, so a row's scores do not depend on the set it was computed in.
+// 2. The softmax of the loop above (fp32 exponentials, their fp32 sum for the normalization).
+// 3. O [rows][D] += P (A: the rows' probabilities of 16 keys rounded to bf16, as flash attention
+//    does in bf16) times V (B: the 16 keys' values as pairs of keys, 16 features a tile; zero past
+//    the last key any row sees, so that no unwritten slot of the pool enters a sum), the
+//    accumulators in tiles over the blocks of a phase, then stored to the sequences' own. A row
+//    goes through the same products in the same order whether or not its leading blocks were
+//    shared: the visiting order changes no result, as in the loop above.
+namespace decode_amx {
+
+constexpr int64_t kRows = 16;  // query rows a tile
+constexpr int64_t kKeys = 16;  // keys a step
+
+struct RowSet {  // up to kRows query rows of KV head h: rows m are (slot[m], query head hq[m])
+  int64_t h = 0, count = 0;
+  int64_t slot[kRows] = {}, hq[kRows] = {};
+};
+
+// Tiles of the scores: 0 K rows (A, 16 keys x 32 features), 1 Q^T (B, 16 feature pairs x 16
+// rows), 2 S^T (C, 16 keys x 16 rows fp32).
+inline void scores_tiles() {
+  pagedserve_amx::TileConfig cfg;
+  for (int t = 0; t < 3; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  pagedserve_amx::load_tile_config(cfg);
+}
+
+// Tiles of P . V: 0 P (A, 16 rows x 16 keys bf16), 1 and 2 V (B, 8 key pairs x 16 features),
+// 3-6 O (C, 16 rows x 16 features fp32): 64 features a round over the keys.
+inline void pv_tiles() {
+  pagedserve_amx::TileConfig cfg;
+  cfg.rows[0] = 16, cfg.colsb[0] = 32;
+  for (int t = 1; t < 3; ++t) cfg.rows[t] = 8, cfg.colsb[t] = 64;
+  for (int t = 3; t < 7; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  pagedserve_amx::load_tile_config(cfg);
+}
+
+struct Scratch {
+  std::vector<Slot> slots;
+  std::vector<RowSet> sets;
+  std::vector<uint32_t> qt;  // per set, per step of 32 features: [16 feature pairs][16 rows]
+  std::vector<float> acc;    // one set's accumulators [16][D]
+};
+
+// The row sets of slots [k0, k1) (every KV head; the rows of a head in order), and their Q^T
+// where `queries`.
+inline void make_sets(const Paged<at::BFloat16>& pg, Scratch& x, int64_t k0, int64_t k1, bool queries) {
+  x.sets.clear();
+  for (int64_t h = 0; h < pg.Hkv; ++h) {
+    RowSet cur;
+    cur.h = h;
+    for (int64_t k = k0; k < k1; ++k)
+      for (int64_t g = 0; g < pg.G; ++g) {
+        if (cur.count == kRows) {
+          x.sets.push_back(cur);
+          cur = RowSet();
+          cur.h = h;
+        }
+        cur.slot[cur.count] = k, cur.hq[cur.count] = h * pg.G + g, ++cur.count;
+      }
+    if (cur.count > 0) x.sets.push_back(cur);
+  }
+  if (!queries) return;
+  const int64_t steps = pg.D / 32;
+  x.qt.assign(x.sets.size() * steps * 256, 0u);
+  for (size_t si = 0; si < x.sets.size(); ++si) {
+    const RowSet& set = x.sets[si];
+    for (int64_t m = 0; m < set.count; ++m) {
+      const uint32_t* q32 =
+          reinterpret_cast<const uint32_t*>(pg.qp + x.slots[set.slot[m]].b * pg.qs_b + set.hq[m] * pg.qs_h);
+      uint32_t* dst = x.qt.data() + si * steps * 256 + m;
+      for (int64_t p = 0; p < steps * 16; ++p) dst[(p / 16) * 256 + (p % 16) * 16] = q32[p];
+    }
+  }
+}
+
+// lanes [a - u0, e - u0) of a step of 16 keys from u0
+inline __mmask16 key_mask(int64_t u0, int64_t a, int64_t e) {
+  if (a >= e) return 0;
+  const uint32_t hi = (e - u0 >= 16) ? 0xFFFFu : ((1u << (e - u0)) - 1u);
+  const uint32_t lo = (1u << (a - u0)) - 1u;
+  return static_cast<__mmask16>(hi & ~lo);
+}
+
+// Scores of the sets over table entries [j0, j1] of slot `ref` (the slots of a set have these
+// entries in common), for keys [lo, hi) (any key of a slot outside its own range is skipped).
+inline void scores(const Paged<at::BFloat16>& pg, Scratch& x, int64_t ref, int64_t j0, int64_t j1, int64_t lo,
+                   int64_t hi, float scale) {
+  const int64_t D = pg.D, bs = pg.bs, steps = D / 32, ld = pg.row_stride * 2;
+  alignas(64) float c[kKeys * kRows];
+  const __m512i lane16 = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(kRows));
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t j = j0; j <= j1; ++j) {
+    const at::BFloat16* blk = pg.kp + pg.block(x.slots[ref].b, j) * pg.block_stride;
+    // the next block's rows of a head asked for as each head's first set starts on this block's
+    // (one burst for the whole block stalls on the fill buffers)
+    const at::BFloat16* next = j < j1 ? pg.kp + pg.block(x.slots[ref].b, j + 1) * pg.block_stride : nullptr;
+    for (int64_t u0 = std::max(j * bs, lo / kKeys * kKeys); u0 < std::min((j + 1) * bs, hi); u0 += kKeys) {
+      const at::BFloat16* rows = blk + (u0 - j * bs) * pg.row_stride;
+      for (size_t si = 0; si < x.sets.size(); ++si) {
+        const RowSet& set = x.sets[si];
+        if (next && (si == 0 || x.sets[si - 1].h != set.h))
+          for (int64_t t = 0; t < kKeys; ++t)
+            prefetch(next + (u0 - j * bs + t) * pg.row_stride + set.h * D, D * 2);
+        _tile_zero(2);
+        for (int64_t st = 0; st < steps; ++st) {
+          _tile_loadd(0, rows + set.h * D + 32 * st, ld);
+          _tile_loadd(1, x.qt.data() + (si * steps + st) * 256, 64);
+          _tile_dpbf16ps(2, 0, 1);
+        }
+        _tile_stored(2, c, 64);
+        for (int64_t m = 0; m < set.count; ++m) {
+          Slot& s = x.slots[set.slot[m]];
+          const __mmask16 mask = key_mask(u0, std::max(s.start, u0), std::min(s.len, u0 + kKeys));
+          if (!mask) continue;
+          const __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(lane16, _mm512_set1_epi32(static_cast<int>(m))), c, 4);
+          _mm512_mask_storeu_ps(s.scores.data() + set.hq[m] * s.n + (u0 - s.start), mask, _mm512_mul_ps(v, vscale));
+        }
+      }
+    }
+  }
+}
+
+// P . V of the sets over table entries [j0, j1] of slot `ref`, keys [lo, hi): accumulated onto the
+// slots' acc.
+inline void pv(const Paged<at::BFloat16>& pg, Scratch& x, int64_t ref, int64_t j0, int64_t j1, int64_t lo, int64_t hi) {
+  const int64_t D = pg.D, bs = pg.bs;
+  alignas(64) int16_t order[32];
+  for (int q = 0; q < 16; ++q) order[2 * q] = static_cast<int16_t>(q), order[2 * q + 1] = static_cast<int16_t>(16 + q);
+  const __m512i interleave = _mm512_load_si512(order);
+  alignas(64) uint16_t a[kRows * kKeys];      // P: [rows][16 keys] bf16
+  alignas(64) uint16_t vb[4 * 8 * 32];        // V: [4 tiles][8 key pairs][16 features x 2]
+  x.acc.resize(kRows * D);
+  for (const RowSet& set : x.sets) {
+    std::memset(a, 0, sizeof(a));
+    for (int64_t m = 0; m < set.count; ++m)
+      std::memcpy(x.acc.data() + m * D, x.slots[set.slot[m]].acc.data() + set.hq[m] * D, D * sizeof(float));
+    for (int64_t f0 = 0; f0 < D; f0 += 64) {
+      const int64_t nt = std::min<int64_t>(4, (D - f0) / 16);
+      // the accumulators of 64 features (C tiles 3 .. 3 + nt)
+      _tile_loadd(3, x.acc.data() + f0, D * 4);
+      _tile_loadd(4, x.acc.data() + f0 + 16, D * 4);
+      if (nt > 2) {
+        _tile_loadd(5, x.acc.data() + f0 + 32, D * 4);
+        _tile_loadd(6, x.acc.data() + f0 + 48, D * 4);
+      }
+      for (int64_t j = j0; j <= j1; ++j) {
+        const at::BFloat16* blk = pg.vp + pg.block(x.slots[ref].b, j) * pg.block_stride;
+        const at::BFloat16* next = j < j1 ? pg.vp + pg.block(x.slots[ref].b, j + 1) * pg.block_stride : nullptr;
+        for (int64_t u0 = std::max(j * bs, lo / kKeys * kKeys); u0 < std::min((j + 1) * bs, hi); u0 += kKeys) {
+          for (int64_t m = 0; m < set.count; ++m) {
+            const Slot& s = x.slots[set.slot[m]];
+            const __mmask16 mask = key_mask(u0, std::max(s.start, u0), std::min(s.len, u0 + kKeys));
+            const __m512 p = _mm512_maskz_loadu_ps(mask, s.scores.data() + set.hq[m] * s.n + (u0 - s.start));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(a + m * kKeys), (__m256i)_mm512_cvtneps_pbh(p));
+          }
+          const at::BFloat16* rows = blk + (u0 - j * bs) * pg.row_stride + set.h * D + f0;
+          for (int64_t r = 0; r < 8; ++r) {
+            const int64_t t = u0 + 2 * r;
+            if (next)  // the same rows of the next block, a pair at a time
+              prefetch(next + (u0 - j * bs + 2 * r) * pg.row_stride + set.h * D + f0, nt * 32),
+              prefetch(next + (u0 - j * bs + 2 * r + 1) * pg.row_stride + set.h * D + f0, nt * 32);
+            for (int64_t c = 0; c < nt; ++c) {
+              const __m256i va = t < hi ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + 2 * r * pg.row_stride + 16 * c))
+                                        : _mm256_setzero_si256();
+              const __m256i vbv = t + 1 < hi ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + (2 * r + 1) * pg.row_stride + 16 * c))
+                                             : _mm256_setzero_si256();
+              const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(va), vbv, 1);
+              _mm512_store_si512(vb + (c * 8 + r) * 32, _mm512_permutexvar_epi16(interleave, both));
+            }
+          }
+          _tile_loadd(0, a, 32);
+          _tile_loadd(1, vb, 64);
+          _tile_dpbf16ps(3, 0, 1);
+          _tile_loadd(2, vb + 8 * 32, 64);
+          _tile_dpbf16ps(4, 0, 2);
+          if (nt > 2) {
+            _tile_loadd(1, vb + 2 * 8 * 32, 64);
+            _tile_dpbf16ps(5, 0, 1);
+            _tile_loadd(2, vb + 3 * 8 * 32, 64);
+            _tile_dpbf16ps(6, 0, 2);
+          }
+        }
+      }
+      _tile_stored(3, x.acc.data() + f0, D * 4);
+      _tile_stored(4, x.acc.data() + f0 + 16, D * 4);
+      if (nt > 2) {
+        _tile_stored(5, x.acc.data() + f0 + 32, D * 4);
+        _tile_stored(6, x.acc.data() + f0 + 48, D * 4);
+      }
+    }
+    for (int64_t m = 0; m < set.count; ++m)
+      std::memcpy(x.slots[set.slot[m]].acc.data() + set.hq[m] * D, x.acc.data() + m * D, D * sizeof(float));
+  }
+}
+
+}  // namespace decode_amx
+
+// Whether decode_bf16_amx serves these shapes (its tiles take 16 keys and 32 features a step).
+inline bool decode_amx_shapes(int64_t D, int64_t bs) { return D % 32 == 0 && D <= 256 && bs % 16 == 0; }
+
+void decode_bf16_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out, double scale,
+                     int64_t window, bool group, int64_t threads) {
+  using decode_amx::Scratch;
+  const Paged<at::BFloat16> pg(q, k_cache, v_cache, block_tables, seq_lens, out);
+  const int64_t B = pg.B, Hq = pg.Hq;
+  group = group && window <= 0 && B > 1;
+  auto lead = [&](int64_t b) { return pg.lens[b] > 0 ? pg.block(b, 0) : -1 - b; };
+  std::vector<int64_t> order(B);
+  std::iota(order.begin(), order.end(), int64_t{0});
+  if (group) std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return lead(x) < lead(y); });
+  auto task = [&](int64_t begin, int64_t end, Scratch& x) {
+    for (int64_t i = begin; i < end;) {
+      int64_t r = i + 1;
+      if (group)
+        while (r < end && r - i < kMaxGroup && lead(order[r]) == lead(order[i])) ++r;
+      const int64_t live = pg.begin_slots(order.data() + i, r - i, window, x.slots);
+      const int64_t shared = pg.shared_entries(x.slots.data(), live);
+      int64_t hi = 0;  // the shared phase's keys: [0, the longest slot's last)
+      for (int64_t k = 0; k < live; ++k) hi = std::max(hi, x.slots[k].len);
+      hi = std::min(hi, shared * pg.bs);
+      // 1. scores: the shared blocks for every slot's rows at once, then each slot's own blocks
+      decode_amx::scores_tiles();
+      if (shared > 0) {
+        decode_amx::make_sets(pg, x, 0, live, true);
+        decode_amx::scores(pg, x, 0, 0, shared - 1, 0, hi, static_cast<float>(scale));
+      }
+      for (int64_t k = 0; k < live; ++k) {
+        const Slot& s = x.slots[k];
+        if (std::max(s.first, shared) > s.last) continue;
+        decode_amx::make_sets(pg, x, k, k + 1, true);
+        decode_amx::scores(pg, x, k, std::max(s.first, shared), s.last, s.start, s.len, static_cast<float>(scale));
+      }
+      // 2. softmax
+      for (int64_t k = 0; k < live; ++k)
+        for (int64_t hq = 0; hq < Hq; ++hq)
+          x.slots[k].inv[hq] = 1.0f / exp_shifted(x.slots[k].scores.data() + hq * x.slots[k].n, x.slots[k].n);
+      // 3. P . V in the same phases
+      decode_amx::pv_tiles();
+      if (shared > 0) {
+        decode_amx::make_sets(pg, x, 0, live, false);
+        decode_amx::pv(pg, x, 0, 0, shared - 1, 0, hi);
+      }
+      for (int64_t k = 0; k < live; ++k) {
+        const Slot& s = x.slots[k];
+        if (std::max(s.first, shared) > s.last) continue;
+        decode_amx::make_sets(pg, x, k, k + 1, false);
+        decode_amx::pv(pg, x, k, std::max(s.first, shared), s.last, s.start, s.len);
+      }
+      _tile_release();
+      for (int64_t k = 0; k < live; ++k) pg.store(x.slots[k].b, x.slots[k].acc.data(), x.slots[k].inv.data());
+      i = r;
+    }
+  };
+  run_units<Scratch>(B, group, order, lead, threads, task);
+}
+#endif
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
@@ -655,7 +968,21 @@ void decode_f32_avx2(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 }
 #endif
 
+// bf16 decode on AMX tiles where available (set_decode_amx)
+std::atomic<bool> g_decode_amx{true};
+
 }  // namespace
+
+void set_decode_amx(bool on) { g_decode_amx.store(on, std::memory_order_relaxed); }
+
+// whether bf16 paged_decode runs on AMX tiles here (built for AMX-BF16, the OS granted them, and on)
+bool decode_amx_available() {
+#if defined(PAGEDSERVE_DECODE_AMX)
+  return g_decode_amx.load(std::memory_order_relaxed) && blocks_amx_available();
+#else
+  return false;
+#endif
+}
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
@@ -680,6 +1007,13 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
       decode<float>(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window, share_blocks, threads);
       break;
     case at::kBFloat16:
+#if defined(PAGEDSERVE_DECODE_AMX)
+      if (g_decode_amx.load(std::memory_order_relaxed) && decode_amx_shapes(q.size(2), k_cache.size(1)) &&
+          blocks_amx_available()) {
+        decode_bf16_amx(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window, share_blocks, threads);
+        break;
+      }
+#endif
 #if defined(__AVX512BF16__)
       if (bf16_dot_head_dim(q.size(2))) {
         decode_bf16(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window, share_blocks, threads);
@@ -700,6 +1034,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over KV read in place (CPU); share_blocks: "
         "sequences with leading blocks in common read them once; threads: its thread count (<= 0: torch's)");
+  m.def("set_decode_amx", &set_decode_amx, "bf16 paged_decode on AMX tiles where available (on by default)");
+  m.def("decode_amx_available", &decode_amx_available, "whether bf16 paged_decode runs on AMX tiles (built, "
+        "granted by the OS, and on; block sizes a multiple of 16, head dims of 32 a step)");
   m.def("llama_layers", &llama_layers, "a step's Llama decoder layers (bf16; GGUF block records or oneDNN's "
         "prepacked weights) in one call; returns the final norm's (hidden, residual)");
   m.def("rms_norm", &rms_norm, "Llama RMSNorm of each row");

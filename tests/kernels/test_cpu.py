@@ -190,3 +190,34 @@ def test_bf16_prefill_kernel_rejects_what_it_cannot_run() -> None:
     bad[1] = 10**6
     with pytest.raises(RuntimeError, match="outside the pool"):
         ext.paged_prefill(q, k, v, bad, 40, 0.125, 0, False)
+
+
+@pytest.mark.skipif(not cpu.decode_amx_enabled(), reason="no AMX tiles for bf16 decode here")
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_decode_on_amx_tiles_against_the_oracle_and_the_loop(monkeypatch, block_size, head_dim,
+                                                                  threads) -> None:
+    """bf16 decode on AMX tiles (the rows of every sequence reading a shared block in one tile
+    product): the oracle's attention within bf16's tolerance, the AVX512-BF16 loop's within two
+    bf16 roundings, and the same bits whether or not shared blocks are visited together."""
+    ext = cpu.extension()
+    batch = make_batch(SHARED, num_q_heads=9, num_kv_heads=3, head_dim=head_dim, block_size=block_size,
+                       dtype=torch.bfloat16, share=SHARED_FORKS)  # fmt: skip
+    expected = contiguous_attention(batch, scale=0.125)
+    outs = {}
+    try:
+        cpu.set_decode_threads(threads)
+        for amx, share in ((True, True), (True, False), (False, True)):
+            ext.set_decode_amx(amx)
+            monkeypatch.setattr(cpu, "SHARE_BLOCKS", share)
+            outs[amx, share] = cpu.paged_attention(*batch.args(), scale=0.125, max_query_len=1)
+    finally:
+        ext.set_decode_amx(cpu.DECODE_AMX)
+        cpu.set_decode_threads(0)
+    assert torch.equal(outs[True, True], outs[True, False]), "the visiting order changes no result"
+    assert max_error(outs[True, True], expected) < TOLERANCE[torch.bfloat16]
+    assert max_error(outs[True, True], outs[False, True]) < 1e-2
+    # the tiles did run: P rounded to bf16 moves low bits
+    assert not torch.equal(outs[True, True], outs[False, True])
+    assert torch.equal(outs[True, True][6], torch.zeros_like(outs[True, True][6]))
