@@ -250,17 +250,59 @@ struct Paged {
 
 constexpr int64_t kMaxGroup = 64;  // sequences visited together over their shared blocks
 
-// Runs task(begin, end, scratch) over `order` (the sequences of one call, those whose tables begin
-// with the same block, lead(b), next to each other where `group`): one task over all of it where
+// The order in which one call visits its sequences: where `group`, those whose tables begin with
+// the same block (the same lead) next to each other, in runs of those that share blocks; else one
+// sequence after another.
+struct SharingOrder {
+  bool group = false;
+  std::vector<int64_t> order;  // the sequences in visiting order
+  std::vector<int64_t> lead;   // per sequence where group: its first block (-1 - b where it sees no key)
+
+  // The end of the run that begins at order[i]: up to `most` sequences of [i, end) with one lead
+  // where group, else order[i] alone.
+  int64_t run_end(int64_t i, int64_t end, int64_t most) const {
+    int64_t r = i + 1;
+    if (group)
+      while (r < end && r - i < most && lead[order[r]] == lead[order[i]]) ++r;
+    return r;
+  }
+
+  // fn(seqs, count) for each run of up to kMaxGroup sequences of order [begin, end).
+  template <typename Fn>
+  void for_each_run(int64_t begin, int64_t end, const Fn& fn) const {
+    for (int64_t i = begin; i < end;) {
+      const int64_t r = run_end(i, end, kMaxGroup);
+      fn(order.data() + i, r - i);
+      i = r;
+    }
+  }
+};
+
+// The visiting order of pg's sequences: grouped where `group`, no window and more than one.
+template <typename T>
+SharingOrder sharing_order(const Paged<T>& pg, int64_t window, bool group) {
+  SharingOrder seqs;
+  seqs.group = group && window <= 0 && pg.B > 1;
+  seqs.order.resize(pg.B);
+  std::iota(seqs.order.begin(), seqs.order.end(), int64_t{0});
+  if (!seqs.group) return seqs;
+  seqs.lead.resize(pg.B);
+  for (int64_t b = 0; b < pg.B; ++b) seqs.lead[b] = pg.lens[b] > 0 ? pg.block(b, 0) : -1 - b;
+  std::stable_sort(seqs.order.begin(), seqs.order.end(),
+                   [&](int64_t x, int64_t y) { return seqs.lead[x] < seqs.lead[y]; });
+  return seqs;
+}
+
+// Runs task(begin, end, scratch) over the positions of seqs.order: one task over all of it where
 // one thread serves, else over units.
-template <typename Scratch, typename Lead, typename Task>
-void run_units(int64_t B, bool group, const std::vector<int64_t>& order, const Lead& lead, int64_t threads,
-               const Task& task) {
+template <typename Scratch, typename Task>
+void run_units(const SharingOrder& seqs, int64_t threads, const Task& task) {
   // On `threads` threads (<= 0: torch's count; the caller may ask for more threads than the rest
   // of its step runs on, where the KV to read makes this region long), each taking the next unit
-  // of `order` as it finishes one: a thread on a core busy with something else (served, the HTTP
+  // of the order as it finishes one: a thread on a core busy with something else (served, the HTTP
   // stack's) then leaves its share to the others instead of holding up the region. Units: one
   // sequence, or up to kPiece of a run sharing blocks (each unit reads those blocks once).
+  const int64_t B = static_cast<int64_t>(seqs.order.size());
   pagedserve_pool::Pool& pool = pagedserve_pool::Pool::get();
   const bool pooled = threads <= 0 && pool.helpers() > 0 && !at::in_parallel_region();
   const int64_t nt = pooled ? B : std::min<int64_t>(B, threads > 0 ? threads : at::get_num_threads());
@@ -271,13 +313,7 @@ void run_units(int64_t B, bool group, const std::vector<int64_t>& order, const L
   }
   constexpr int64_t kPiece = 4;
   std::vector<std::pair<int64_t, int64_t>> units;
-  for (int64_t i = 0; i < B;) {
-    int64_t r = i + 1;
-    if (group)
-      while (r < B && r - i < kPiece && lead(order[r]) == lead(order[i])) ++r;
-    units.emplace_back(i, r);
-    i = r;
-  }
+  for (int64_t i = 0; i < B; i = units.back().second) units.emplace_back(i, seqs.run_end(i, B, kPiece));
   const int64_t num_units = static_cast<int64_t>(units.size());
   if (pooled) {  // the decode pool's threads (cpu_pool.h), one scratch each
     std::vector<Scratch> scratch(pool.helpers() + 1);
@@ -303,13 +339,8 @@ void run_units(int64_t B, bool group, const std::vector<int64_t>& order, const L
 // already in cache), for it to prefetch.
 template <typename T, typename Kern>
 void visit_sequences(const Paged<T>& pg, int64_t window, bool group, int64_t threads, const Kern& kern) {
-  const int64_t B = pg.B, bs = pg.bs, Hq = pg.Hq, D = pg.D, block_stride = pg.block_stride;
-  group = group && window <= 0 && B > 1;
-  // equal for two sequences only where they share their first block (a sequence with no key: its own)
-  auto lead = [&](int64_t b) { return pg.lens[b] > 0 ? pg.block(b, 0) : -1 - b; };
-  std::vector<int64_t> order(B);
-  std::iota(order.begin(), order.end(), int64_t{0});
-  if (group) std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return lead(x) < lead(y); });
+  const int64_t Hq = pg.Hq, block_stride = pg.block_stride;
+  const SharingOrder seqs = sharing_order(pg, window, group);
 
   struct Step {
     int64_t slot, j, block;
@@ -324,11 +355,8 @@ void visit_sequences(const Paged<T>& pg, int64_t window, bool group, int64_t thr
     std::vector<Step>& walk = scratch.walk;
     std::vector<int64_t>& stream = scratch.stream;
     std::vector<int64_t>& at = scratch.at;
-    for (int64_t i = begin; i < end;) {
-      int64_t r = i + 1;
-      if (group)
-        while (r < end && r - i < kMaxGroup && lead(order[r]) == lead(order[i])) ++r;
-      const int64_t live = pg.begin_slots(order.data() + i, r - i, window, slots);
+    seqs.for_each_run(begin, end, [&](const int64_t* run, int64_t count) {
+      const int64_t live = pg.begin_slots(run, count, window, slots);
       for (int64_t k = 0; k < live; ++k) kern.begin(slots[k]);
       const int64_t shared = pg.shared_entries(slots.data(), live);
       walk.clear();
@@ -367,10 +395,9 @@ void visit_sequences(const Paged<T>& pg, int64_t window, bool group, int64_t thr
               slots[k].inv[hq] = 1.0f / exp_shifted(slots[k].scores.data() + hq * slots[k].n, slots[k].n);
       }
       for (int64_t k = 0; k < live; ++k) pg.store(slots[k].b, slots[k].acc.data(), slots[k].inv.data());
-      i = r;
-    }
+    });
   };
-  run_units<Scratch>(B, group, order, lead, threads, task);
+  run_units<Scratch>(seqs, threads, task);
 }
 
 template <typename T>
@@ -616,17 +643,23 @@ inline void pv_tiles() {
   pagedserve_amx::load_tile_config(cfg);
 }
 
+// One phase of a task: row sets [s0, s1) over table entries [j0, j1] of slot `ref` (the slots of
+// the sets have these entries in common), keys [lo, hi) (any key of a slot outside its own range
+// is skipped).
+struct Phase {
+  int64_t ref, j0, j1, lo, hi, s0, s1;
+};
+
 struct Scratch {
   std::vector<Slot> slots;
-  std::vector<RowSet> sets;
-  std::vector<uint32_t> qt;  // per set, per step of 32 features: [16 feature pairs][16 rows]
+  std::vector<RowSet> sets;  // every phase's, made once a task for both the scores and P . V
+  std::vector<Phase> phases;
+  std::vector<uint32_t> qt;  // a phase's, per set, per step of 32 features: [16 feature pairs][16 rows]
   std::vector<float> acc;    // one set's accumulators [16][D]
 };
 
-// The row sets of slots [k0, k1) (every KV head; the rows of a head in order), and their Q^T
-// where `queries`.
-inline void make_sets(const Paged<at::BFloat16>& pg, Scratch& x, int64_t k0, int64_t k1, bool queries) {
-  x.sets.clear();
+// Appends the row sets of slots [k0, k1) to x.sets (every KV head; the rows of a head in order).
+inline void add_sets(const Paged<at::BFloat16>& pg, Scratch& x, int64_t k0, int64_t k1) {
   for (int64_t h = 0; h < pg.Hkv; ++h) {
     RowSet cur;
     cur.h = h;
@@ -641,15 +674,39 @@ inline void make_sets(const Paged<at::BFloat16>& pg, Scratch& x, int64_t k0, int
       }
     if (cur.count > 0) x.sets.push_back(cur);
   }
-  if (!queries) return;
+}
+
+// The phases of a task's `live` slots, whose first `shared` table entries are common to all: the
+// shared blocks for every slot's rows at once, then each slot's own blocks.
+inline void plan_phases(const Paged<at::BFloat16>& pg, Scratch& x, int64_t live, int64_t shared) {
+  x.sets.clear();
+  x.phases.clear();
+  auto add = [&](int64_t ref, int64_t j0, int64_t j1, int64_t lo, int64_t hi, int64_t k0, int64_t k1) {
+    const int64_t s0 = static_cast<int64_t>(x.sets.size());
+    add_sets(pg, x, k0, k1);
+    x.phases.push_back({ref, j0, j1, lo, hi, s0, static_cast<int64_t>(x.sets.size())});
+  };
+  if (shared > 0) {
+    int64_t hi = 0;  // the shared phase's keys: [0, the longest slot's last)
+    for (int64_t k = 0; k < live; ++k) hi = std::max(hi, x.slots[k].len);
+    add(0, 0, shared - 1, 0, std::min(hi, shared * pg.bs), 0, live);
+  }
+  for (int64_t k = 0; k < live; ++k) {
+    const Slot& s = x.slots[k];
+    if (std::max(s.first, shared) <= s.last) add(k, std::max(s.first, shared), s.last, s.start, s.len, k, k + 1);
+  }
+}
+
+// Q^T of the phase's row sets into x.qt.
+inline void pack_queries(const Paged<at::BFloat16>& pg, Scratch& x, const Phase& ph) {
   const int64_t steps = pg.D / 32;
-  x.qt.assign(x.sets.size() * steps * 256, 0u);
-  for (size_t si = 0; si < x.sets.size(); ++si) {
+  x.qt.assign((ph.s1 - ph.s0) * steps * 256, 0u);
+  for (int64_t si = ph.s0; si < ph.s1; ++si) {
     const RowSet& set = x.sets[si];
     for (int64_t m = 0; m < set.count; ++m) {
       const uint32_t* q32 =
           reinterpret_cast<const uint32_t*>(pg.qp + x.slots[set.slot[m]].b * pg.qs_b + set.hq[m] * pg.qs_h);
-      uint32_t* dst = x.qt.data() + si * steps * 256 + m;
+      uint32_t* dst = x.qt.data() + (si - ph.s0) * steps * 256 + m;
       for (int64_t p = 0; p < steps * 16; ++p) dst[(p / 16) * 256 + (p % 16) * 16] = q32[p];
     }
   }
@@ -663,11 +720,11 @@ inline __mmask16 key_mask(int64_t u0, int64_t a, int64_t e) {
   return static_cast<__mmask16>(hi & ~lo);
 }
 
-// Scores of the sets over table entries [j0, j1] of slot `ref` (the slots of a set have these
-// entries in common), for keys [lo, hi) (any key of a slot outside its own range is skipped).
-inline void scores(const Paged<at::BFloat16>& pg, Scratch& x, int64_t ref, int64_t j0, int64_t j1, int64_t lo,
-                   int64_t hi, float scale) {
+// The scores of a phase's row sets, into their slots' scores.
+inline void scores(const Paged<at::BFloat16>& pg, Scratch& x, const Phase& ph, float scale) {
   const int64_t D = pg.D, bs = pg.bs, steps = D / 32, ld = pg.row_stride * 2;
+  const int64_t ref = ph.ref, j0 = ph.j0, j1 = ph.j1, lo = ph.lo, hi = ph.hi;
+  pack_queries(pg, x, ph);
   alignas(64) float c[kKeys * kRows];
   const __m512i lane16 = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32(kRows));
@@ -679,15 +736,15 @@ inline void scores(const Paged<at::BFloat16>& pg, Scratch& x, int64_t ref, int64
     const at::BFloat16* next = j < j1 ? pg.kp + pg.block(x.slots[ref].b, j + 1) * pg.block_stride : nullptr;
     for (int64_t u0 = std::max(j * bs, lo / kKeys * kKeys); u0 < std::min((j + 1) * bs, hi); u0 += kKeys) {
       const at::BFloat16* rows = blk + (u0 - j * bs) * pg.row_stride;
-      for (size_t si = 0; si < x.sets.size(); ++si) {
+      for (int64_t si = ph.s0; si < ph.s1; ++si) {
         const RowSet& set = x.sets[si];
-        if (next && (si == 0 || x.sets[si - 1].h != set.h))
+        if (next && (si == ph.s0 || x.sets[si - 1].h != set.h))
           for (int64_t t = 0; t < kKeys; ++t)
             prefetch(next + (u0 - j * bs + t) * pg.row_stride + set.h * D, D * 2);
         _tile_zero(2);
         for (int64_t st = 0; st < steps; ++st) {
           _tile_loadd(0, rows + set.h * D + 32 * st, ld);
-          _tile_loadd(1, x.qt.data() + (si * steps + st) * 256, 64);
+          _tile_loadd(1, x.qt.data() + ((si - ph.s0) * steps + st) * 256, 64);
           _tile_dpbf16ps(2, 0, 1);
         }
         _tile_stored(2, c, 64);
@@ -703,17 +760,17 @@ inline void scores(const Paged<at::BFloat16>& pg, Scratch& x, int64_t ref, int64
   }
 }
 
-// P . V of the sets over table entries [j0, j1] of slot `ref`, keys [lo, hi): accumulated onto the
-// slots' acc.
-inline void pv(const Paged<at::BFloat16>& pg, Scratch& x, int64_t ref, int64_t j0, int64_t j1, int64_t lo, int64_t hi) {
-  const int64_t D = pg.D, bs = pg.bs;
+// P . V of a phase's row sets, accumulated onto their slots' acc.
+inline void pv(const Paged<at::BFloat16>& pg, Scratch& x, const Phase& ph) {
+  const int64_t D = pg.D, bs = pg.bs, ref = ph.ref, j0 = ph.j0, j1 = ph.j1, lo = ph.lo, hi = ph.hi;
   alignas(64) int16_t order[32];
   for (int q = 0; q < 16; ++q) order[2 * q] = static_cast<int16_t>(q), order[2 * q + 1] = static_cast<int16_t>(16 + q);
   const __m512i interleave = _mm512_load_si512(order);
   alignas(64) uint16_t a[kRows * kKeys];      // P: [rows][16 keys] bf16
   alignas(64) uint16_t vb[4 * 8 * 32];        // V: [4 tiles][8 key pairs][16 features x 2]
   x.acc.resize(kRows * D);
-  for (const RowSet& set : x.sets) {
+  for (int64_t si = ph.s0; si < ph.s1; ++si) {
+    const RowSet& set = x.sets[si];
     std::memset(a, 0, sizeof(a));
     for (int64_t m = 0; m < set.count; ++m)
       std::memcpy(x.acc.data() + m * D, x.slots[set.slot[m]].acc.data() + set.hq[m] * D, D * sizeof(float));
@@ -786,56 +843,27 @@ void decode_bf16_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::T
                      int64_t window, bool group, int64_t threads) {
   using decode_amx::Scratch;
   const Paged<at::BFloat16> pg(q, k_cache, v_cache, block_tables, seq_lens, out);
-  const int64_t B = pg.B, Hq = pg.Hq;
-  group = group && window <= 0 && B > 1;
-  auto lead = [&](int64_t b) { return pg.lens[b] > 0 ? pg.block(b, 0) : -1 - b; };
-  std::vector<int64_t> order(B);
-  std::iota(order.begin(), order.end(), int64_t{0});
-  if (group) std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return lead(x) < lead(y); });
+  const int64_t Hq = pg.Hq;
+  const SharingOrder seqs = sharing_order(pg, window, group);
   auto task = [&](int64_t begin, int64_t end, Scratch& x) {
-    for (int64_t i = begin; i < end;) {
-      int64_t r = i + 1;
-      if (group)
-        while (r < end && r - i < kMaxGroup && lead(order[r]) == lead(order[i])) ++r;
-      const int64_t live = pg.begin_slots(order.data() + i, r - i, window, x.slots);
-      const int64_t shared = pg.shared_entries(x.slots.data(), live);
-      int64_t hi = 0;  // the shared phase's keys: [0, the longest slot's last)
-      for (int64_t k = 0; k < live; ++k) hi = std::max(hi, x.slots[k].len);
-      hi = std::min(hi, shared * pg.bs);
+    seqs.for_each_run(begin, end, [&](const int64_t* run, int64_t count) {
+      const int64_t live = pg.begin_slots(run, count, window, x.slots);
+      decode_amx::plan_phases(pg, x, live, pg.shared_entries(x.slots.data(), live));
       // 1. scores: the shared blocks for every slot's rows at once, then each slot's own blocks
       decode_amx::scores_tiles();
-      if (shared > 0) {
-        decode_amx::make_sets(pg, x, 0, live, true);
-        decode_amx::scores(pg, x, 0, 0, shared - 1, 0, hi, static_cast<float>(scale));
-      }
-      for (int64_t k = 0; k < live; ++k) {
-        const Slot& s = x.slots[k];
-        if (std::max(s.first, shared) > s.last) continue;
-        decode_amx::make_sets(pg, x, k, k + 1, true);
-        decode_amx::scores(pg, x, k, std::max(s.first, shared), s.last, s.start, s.len, static_cast<float>(scale));
-      }
+      for (const decode_amx::Phase& ph : x.phases) decode_amx::scores(pg, x, ph, static_cast<float>(scale));
       // 2. softmax
       for (int64_t k = 0; k < live; ++k)
         for (int64_t hq = 0; hq < Hq; ++hq)
           x.slots[k].inv[hq] = 1.0f / exp_shifted(x.slots[k].scores.data() + hq * x.slots[k].n, x.slots[k].n);
       // 3. P . V in the same phases
       decode_amx::pv_tiles();
-      if (shared > 0) {
-        decode_amx::make_sets(pg, x, 0, live, false);
-        decode_amx::pv(pg, x, 0, 0, shared - 1, 0, hi);
-      }
-      for (int64_t k = 0; k < live; ++k) {
-        const Slot& s = x.slots[k];
-        if (std::max(s.first, shared) > s.last) continue;
-        decode_amx::make_sets(pg, x, k, k + 1, false);
-        decode_amx::pv(pg, x, k, std::max(s.first, shared), s.last, s.start, s.len);
-      }
+      for (const decode_amx::Phase& ph : x.phases) decode_amx::pv(pg, x, ph);
       _tile_release();
       for (int64_t k = 0; k < live; ++k) pg.store(x.slots[k].b, x.slots[k].acc.data(), x.slots[k].inv.data());
-      i = r;
-    }
+    });
   };
-  run_units<Scratch>(B, group, order, lead, threads, task);
+  run_units<Scratch>(seqs, threads, task);
 }
 #endif
 #endif
