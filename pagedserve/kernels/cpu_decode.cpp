@@ -1036,8 +1036,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
       break;
     case at::kBFloat16:
 #if defined(PAGEDSERVE_DECODE_AMX)
-      if (g_decode_amx.load(std::memory_order_relaxed) && decode_amx_shapes(q.size(2), k_cache.size(1)) &&
-          blocks_amx_available()) {
+      if (decode_amx_available() && decode_amx_shapes(q.size(2), k_cache.size(1))) {
         decode_bf16_amx(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window, share_blocks, threads);
         break;
       }
