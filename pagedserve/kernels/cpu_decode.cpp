@@ -763,9 +763,7 @@ inline void scores(const Paged<at::BFloat16>& pg, Scratch& x, const Phase& ph, f
 // P . V of a phase's row sets, accumulated onto their slots' acc.
 inline void pv(const Paged<at::BFloat16>& pg, Scratch& x, const Phase& ph) {
   const int64_t D = pg.D, bs = pg.bs, ref = ph.ref, j0 = ph.j0, j1 = ph.j1, lo = ph.lo, hi = ph.hi;
-  alignas(64) int16_t order[32];
-  for (int q = 0; q < 16; ++q) order[2 * q] = static_cast<int16_t>(q), order[2 * q + 1] = static_cast<int16_t>(16 + q);
-  const __m512i interleave = _mm512_load_si512(order);
+  const __m512i interleave = pagedserve_amx::pair_interleave();  // two keys' values of a feature as a pair
   alignas(64) uint16_t a[kRows * kKeys];      // P: [rows][16 keys] bf16
   alignas(64) uint16_t vb[4 * 8 * 32];        // V: [4 tiles][8 key pairs][16 features x 2]
   x.acc.resize(kRows * D);

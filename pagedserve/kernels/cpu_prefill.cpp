@@ -28,10 +28,10 @@
 #include "cpu_pool.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include "cpu_amx.h"
 #include "cpu_vec.h"
 #define PAGEDSERVE_PREFILL_BF16 1
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include "cpu_amx.h"
 #define PAGEDSERVE_PREFILL_AMX 1
 #endif
 #endif
@@ -165,9 +165,7 @@ void prefill_tile(const Prefill& a, int64_t hq, int64_t t0, const at::BFloat16* 
   const __m512i pos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(a.first + t0)), lane);
   const __mmask16 live = static_cast<__mmask16>(nq >= G ? 0xffff : (1u << nq) - 1);
   // interleave two keys' bf16 probabilities: out[2q] = p_a[q], out[2q + 1] = p_b[q]
-  alignas(64) int16_t order[2 * G];
-  for (int q = 0; q < G; ++q) order[2 * q] = static_cast<int16_t>(q), order[2 * q + 1] = static_cast<int16_t>(G + q);
-  const __m512i interleave = _mm512_load_si512(order);
+  const __m512i interleave = pagedserve_amx::pair_interleave();
   __m512 m = _mm512_set1_ps(kMasked), l = _mm512_setzero_ps();
   const int64_t pos_lo = a.first + t0, pos_hi = a.first + t0 + nq - 1;  // the tile's positions
   const int64_t key_end = std::min(a.seq_len, pos_hi + 1);             // keys any query sees end here
@@ -326,9 +324,7 @@ void prefill_tile_amx(const Prefill& a, int64_t hq, int64_t t0, const at::BFloat
   }
   // 2. probabilities: a masked score (kMasked) gives 2^-125, nothing beside the 1 of a lane's
   // largest score (every live lane sees its own position; the dead lanes' sums are never read)
-  alignas(64) int16_t order[2 * G];
-  for (int q = 0; q < G; ++q) order[2 * q] = static_cast<int16_t>(q), order[2 * q + 1] = static_cast<int16_t>(G + q);
-  const __m512i interleave = _mm512_load_si512(order);
+  const __m512i interleave = pagedserve_amx::pair_interleave();
   // in base 2: p = 2^(s c - m c), c = scale log2(e)
   const __m512 c = _mm512_set1_ps(a.scale * 1.4426950408889634f), mc = _mm512_mul_ps(m, c);
   int32_t* pb = aligned64(pbuf.data());
