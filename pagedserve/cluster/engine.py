@@ -108,7 +108,7 @@ class Engine:
         self.executor = executor or make_executor(config.parallel, self.model_path, worker_kwargs)
         # KV groups: one of every layer, or (hybrid KV) full-attention and sliding-window groups
         self.kv_groups = kv_cache_groups(hf_config, hybrid=not cc.disable_hybrid_kv_cache_manager)
-        num_blocks, num_host = self.executor.determine_num_blocks(cc, sc.max_num_batched_tokens)
+        num_blocks, num_host = self.executor.determine_num_blocks(cc, sc.max_step_tokens)
         if sc.preemption_mode != "swap":
             num_host = 0  # the host pool only serves swapping
         self._pool_shape = (num_blocks, num_host)
@@ -148,7 +148,7 @@ class Engine:
             num_blocks, cc.block_size, num_host_blocks=num_host,
             enable_prefix_caching=cc.enable_prefix_caching,
             group_windows=[g.window for g in self.kv_groups],
-            max_chunk_tokens=self.config.scheduler.max_num_batched_tokens,
+            max_chunk_tokens=self.config.scheduler.max_step_tokens,
         )  # fmt: skip
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager, self.max_model_len)
 

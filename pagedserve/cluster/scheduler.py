@@ -146,7 +146,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             preempted_before = plan.num_preempted
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            # the slack only for the last running request: it must not take budget from decodes
+            last = i == len(self.running) - 1
+            n = self._chunk(req.num_tokens - req.num_computed_tokens, budget, slack=last)
             if n == 0:  # a beam that reported its candidates waits for the rest of its group
                 i += 1
                 continue
@@ -204,6 +206,14 @@ class Scheduler:
             )  # fmt: skip
         plan.copies = self.bm.take_copies()
         return plan
+
+    def _chunk(self, remaining: int, budget: int, *, slack: bool) -> int:
+        """How many of a request's `remaining` uncomputed tokens this step runs with `budget` left:
+        all of them where they exceed the budget by at most the config's slack (the prefill ends
+        this step: the request's first token comes a step sooner), else what the budget holds."""
+        if remaining <= budget or (slack and remaining <= budget + self.config.finish_slack):
+            return remaining
+        return budget
 
     def _swap_in(self, plan: StepPlan, scheduled: dict, budget: int) -> int:
         while self.swapped and budget > 0:
@@ -263,10 +273,9 @@ class Scheduler:
                     break  # a beam waits until a sibling has the prefix they share
                 if not self._group_fits(req, hit):
                     break
-            n = req.num_tokens - hit.num_tokens
-            if n > budget and not self.config.enable_chunked_prefill:
+            n = self._chunk(req.num_tokens - hit.num_tokens, budget, slack=True)
+            if n < req.num_tokens - hit.num_tokens and not self.config.enable_chunked_prefill:
                 break
-            n = min(n, budget)
             if self.running and bm.num_free_blocks - bm.blocks_needed(n) < self._watermark_blocks:
                 break
             first = req.num_preemptions == 0

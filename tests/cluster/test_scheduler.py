@@ -63,6 +63,32 @@ def test_chunked_prefill_respects_the_token_budget_and_decodes_go_first():
     assert [q.start_pos for q in chunks] == [0, 7]
 
 
+def test_a_prefill_that_ends_within_the_slack_is_not_cut_short():
+    # Budget 64, slack 2 (1/32). One decode row and a burst of four 16-token prompts: 65 tokens.
+    # Cut at the budget, the last prompt would get 15 of its 16 and its first token a step later.
+    s = make(max_num_batched_tokens=64)
+    assert s.config.finish_slack == 2 and s.config.max_step_tokens == 66
+    s.add_request(request("a", 3, max_tokens=8))
+    step(s)
+    for i in range(4):
+        s.add_request(request(f"p{i}", 16))
+    plan = step(s)
+    assert [(q.req_id, len(q.token_ids), q.sample) for q in plan.seqs] == (
+        [("a", 1, True)] + [(f"p{i}", 16, True) for i in range(4)])  # fmt: skip
+    assert plan.num_tokens == 65
+    # beyond the slack the chunk stops at the budget: 1 + 16 * 3 + 15, the rest next step
+    s = make(max_num_batched_tokens=64)
+    s.add_request(request("a", 3, max_tokens=8))
+    step(s)
+    for i, n in enumerate([16, 16, 16, 18]):
+        s.add_request(request(f"q{i}", n))
+    plan = step(s)
+    assert [len(q.token_ids) for q in plan.seqs] == [1, 16, 16, 16, 15] and plan.num_tokens == 64
+    assert not plan.seqs[-1].sample
+    plans = drain(s)
+    assert all(p.num_tokens <= s.config.max_step_tokens for p in plans)
+
+
 def test_max_num_seqs_caps_the_batch():
     s = make(max_num_seqs=2)
     for i in range(5):
