@@ -130,8 +130,8 @@ def stop(proc: subprocess.Popen) -> None:
 def bench(port: int, model: Path, workload: str, seed: int, out_dir: Path, name: str) -> dict:
     cmd = [str(PEERS_BIN / "vllm"), "bench", "serve", "--backend", "vllm", "--base-url",
            f"http://127.0.0.1:{port}", "--model", SERVED_NAME, "--tokenizer", str(model),
-           "--dataset-name", "random", "--ignore-eos", "--save-detailed", "--seed", str(seed), "--save-result",
-           "--result-dir", str(out_dir), "--result-filename", f"{name}.json",
+           "--dataset-name", "random", "--ignore-eos", "--save-detailed", "--seed", str(seed),
+           "--save-result", "--result-dir", str(out_dir), "--result-filename", f"{name}.json",
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
            *WORKLOADS[workload]]  # fmt: skip
     with open(out_dir / f"{name}.log", "w") as log:
