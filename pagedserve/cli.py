@@ -136,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--address", default=None, help="join this Ray cluster (default: start a private local Ray)"
     )
     serve.add_argument(
+        "--control-plane-policy", choices=("idle", "normal"), default=None,
+        help="the private Ray's control plane (GCS, Serve's controller, the dashboards, log monitor; not "
+        "the replicas) at Linux's SCHED_IDLE, running where the engine leaves a core free (idle, the "
+        "default), or as started (normal)",
+    )  # fmt: skip
+    serve.add_argument(
         "--engine-process", action=argparse.BooleanOptionalAction, default=None,
         help="run a one-rank engine's scheduler and model in a process of their own beside the replica "
         "(default; --no-engine-process: on a thread of the replica)",
@@ -243,6 +249,12 @@ def serve_main(args: argparse.Namespace) -> int:
         temp_dir = init_ray(config.address)
         signal.signal(signal.SIGTERM, _interrupt)  # after ray.init, which may install its own
         deploy(config)
+        if temp_dir is not None and config.control_plane_policy == "idle":
+            from pagedserve.cluster.control_plane import idle_control_plane
+
+            demoted = idle_control_plane()
+            print(f"pagedserve: Ray's and Serve's control plane ({len(demoted)} processes) at SCHED_IDLE",
+                  flush=True)  # fmt: skip
         print(f"pagedserve: serving {served_model_name(config.engine)!r} at http://{config.host}:{config.port}/v1"
               " (Ctrl-C to stop)", flush=True)  # fmt: skip
         print(f"pagedserve: admin dashboard at http://{config.host}:{config.port}/dashboard"

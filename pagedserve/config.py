@@ -189,6 +189,9 @@ class ServeConfig:
     # `pagedserve serve`'s default without --address)
     proxy_location: str = "EveryNode"
     address: str | None = None  # RAY_ADDRESS to join; None starts a private local Ray
+    # the private Ray's control plane (Ray's and Serve's daemons, not the replicas) at Linux's
+    # SCHED_IDLE ("idle"), or left as started ("normal"); see cluster/control_plane.py
+    control_plane_policy: str = "idle"
     max_waiting_requests: int = 256  # per replica; past it, 503 with Retry-After
     # a one-rank engine's scheduler and model run in a child process of the replica (vLLM's
     # EngineCore), with a GIL of their own; False keeps them on a thread of the replica
@@ -207,6 +210,8 @@ class ServeConfig:
         _require(self.num_replicas >= 1, "--num-replicas must be >= 1")
         _require(self.routing in ROUTING_POLICIES, f"--routing must be one of {ROUTING_POLICIES}")
         _require(self.proxy_location in PROXY_LOCATIONS, f"--proxy-location must be one of {PROXY_LOCATIONS}")
+        _require(self.control_plane_policy in ("idle", "normal"),
+                 "--control-plane-policy must be idle or normal")  # fmt: skip
         _require(self.proxy_location != "Direct" or self.address is None,
                  "--proxy-location Direct needs the private Ray of `pagedserve serve` (no --address): Serve "
                  "reads its direct-ingress settings as each Ray process starts")  # fmt: skip

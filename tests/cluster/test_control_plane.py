@@ -1,0 +1,114 @@
+"""The private Ray's control plane at SCHED_IDLE: which processes move, which keep their policy,
+and what a moved process starts later (checked in the kernel's own /proc view of real processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pagedserve.cluster.control_plane import idle_control_plane
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
+
+# A tree shaped like `pagedserve serve`'s: a driver that starts a daemon and a raylet; the raylet
+# starts a Serve replica (which starts its engine process), Serve's controller and an idle
+# worker, and later another worker. Ray titles a worker "ray::<what>"; the roles here carry those
+# titles in their command lines (the raylet its program name in argv[0]), which is what the
+# demotion reads.
+TREE = textwrap.dedent(
+    """
+    import json, os, subprocess, sys, time
+    PYTHON = os.environ["TREE_PYTHON"]  # a child titled "raylet" takes sys.executable from argv[0]
+    def start(*args, stdout=subprocess.DEVNULL, **kw):
+        return subprocess.Popen([PYTHON, __file__, *args], stdout=stdout, **kw)
+    role = sys.argv[1]
+    if role == "driver":
+        daemon = start("leaf", "gcs_server")
+        raylet = subprocess.Popen(["/opt/ray/raylet", __file__, "raylet"], executable=PYTHON,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        pids = json.loads(raylet.stdout.readline())
+        pids.update(daemon=daemon.pid, raylet=raylet.pid)
+        print(json.dumps(pids), flush=True)
+        for line in sys.stdin:  # relay: start a worker, then quit
+            raylet.stdin.write(line)
+            raylet.stdin.flush()
+            print(raylet.stdout.readline().strip(), flush=True)
+    elif role == "raylet":
+        kids = {
+            "replica": start("replica", "ray::ServeReplica:app:EngineDeployment", stdout=subprocess.PIPE,
+                             text=True),
+            "controller": start("leaf", "ray::ServeController"),
+            "idle_worker": start("leaf", "ray::IDLE"),
+        }
+        pids = {name: p.pid for name, p in kids.items()}
+        pids["engine"] = int(kids["replica"].stdout.readline())
+        print(json.dumps(pids), flush=True)
+        sys.stdin.readline()  # after the demotion: a new worker
+        later = start("leaf", "ray::IDLE")
+        print(later.pid, flush=True)
+        sys.stdin.readline()
+        for p in [*kids.values(), later]:
+            p.kill()
+        print("done", flush=True)
+    elif role == "replica":
+        engine = start("leaf", "engine_process")
+        print(engine.pid, flush=True)
+        time.sleep(120)
+    else:
+        time.sleep(120)
+    """
+)
+
+
+def _policies(pid: int) -> set[int]:
+    """The scheduling policy of every thread of `pid`."""
+    return {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+
+
+def _say(driver: subprocess.Popen) -> str:
+    driver.stdin.write("\n")
+    driver.stdin.flush()
+    return driver.stdout.readline().strip()
+
+
+def test_the_control_plane_goes_idle_and_the_request_path_keeps_its_policy(tmp_path: Path) -> None:
+    script = tmp_path / "tree.py"
+    script.write_text(TREE)
+    env = {**os.environ, "TREE_PYTHON": sys.executable}
+    driver = subprocess.Popen([sys.executable, str(script), "driver"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        pids = json.loads(driver.stdout.readline())
+        assert _policies(driver.pid) == {os.SCHED_OTHER}
+
+        demoted = idle_control_plane(driver.pid)
+
+        assert sorted(demoted) == sorted([driver.pid, pids["daemon"], pids["controller"]])
+        for pid in demoted:
+            assert _policies(pid) == {os.SCHED_IDLE}
+        for name in ("raylet", "replica", "engine", "idle_worker"):  # serves requests, or may
+            assert _policies(pids[name]) == {os.SCHED_OTHER}, name
+        # a worker the raylet starts afterwards (a replacement replica's) begins at SCHED_OTHER
+        later = int(_say(driver))
+        assert _policies(later) == {os.SCHED_OTHER}
+        assert _say(driver) == "done"
+        driver.stdin.close()
+        assert driver.wait(timeout=30) == 0
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+
+
+def test_the_policy_flag_is_checked() -> None:
+    from pagedserve.config import ConfigError, ServeConfig
+
+    assert ServeConfig().control_plane_policy == "idle"
+    with pytest.raises(ConfigError, match="control-plane-policy"):
+        ServeConfig(control_plane_policy="realtime")
