@@ -23,6 +23,7 @@ from typing import Any
 
 from pagedserve.cluster.executor import init_ray
 from pagedserve.config import (
+    CONTROL_PLANE_POLICIES,
     DTYPES,
     PLACEMENT_STRATEGIES,
     PLAN_TRANSPORTS,
@@ -136,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--address", default=None, help="join this Ray cluster (default: start a private local Ray)"
     )
     serve.add_argument(
-        "--control-plane-policy", choices=("idle", "normal"), default=None,
+        "--control-plane-policy", choices=CONTROL_PLANE_POLICIES, default=None,
         help="the private Ray's control plane (GCS, Serve's controller, the dashboards, log monitor; not "
         "the replicas) at Linux's SCHED_IDLE, running where the engine leaves a core free (idle, the "
         "default), or as started (normal)",

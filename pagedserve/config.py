@@ -12,6 +12,7 @@ from typing import Any
 PREEMPTION_MODES = ("recompute", "swap")
 PROXY_LOCATIONS = ("EveryNode", "HeadOnly", "Disabled", "Direct")
 ROUTING_POLICIES = ("prefix", "pow2", "round_robin")
+CONTROL_PLANE_POLICIES = ("idle", "normal")  # cluster/control_plane.py
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
@@ -210,8 +211,8 @@ class ServeConfig:
         _require(self.num_replicas >= 1, "--num-replicas must be >= 1")
         _require(self.routing in ROUTING_POLICIES, f"--routing must be one of {ROUTING_POLICIES}")
         _require(self.proxy_location in PROXY_LOCATIONS, f"--proxy-location must be one of {PROXY_LOCATIONS}")
-        _require(self.control_plane_policy in ("idle", "normal"),
-                 "--control-plane-policy must be idle or normal")  # fmt: skip
+        _require(self.control_plane_policy in CONTROL_PLANE_POLICIES,
+                 f"--control-plane-policy must be one of {CONTROL_PLANE_POLICIES}")  # fmt: skip
         _require(self.proxy_location != "Direct" or self.address is None,
                  "--proxy-location Direct needs the private Ray of `pagedserve serve` (no --address): Serve "
                  "reads its direct-ingress settings as each Ray process starts")  # fmt: skip

@@ -1,4 +1,5 @@
-"""The control plane of `pagedserve serve`'s private Ray at Linux's SCHED_IDLE on a CPU host.
+"""The control plane of `pagedserve serve`'s private Ray at Linux's SCHED_IDLE (what it is for:
+a CPU host, where the engine's threads share the cores with it; applied on any private Ray).
 
 A one-machine server runs ~15 processes beside the engine: Ray's GCS, raylet, log monitor,
 autoscaler monitor, dashboard head and agents, Serve's controller and proxy actor, the admin
@@ -30,7 +31,6 @@ import psutil
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("idle", "normal")
 # A process whose command line holds one of these (Ray sets a worker's title to "ray::<what>")
 # serves requests, or may: it and everything below it keep their policy.
 REQUEST_PATH = ("ray::ServeReplica:", "ray::ReplicaStateActor", "ray::IDLE")

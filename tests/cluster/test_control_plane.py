@@ -3,8 +3,10 @@ and what a moved process starts later (checked in the kernel's own /proc view of
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -82,7 +84,7 @@ def test_the_control_plane_goes_idle_and_the_request_path_keeps_its_policy(tmp_p
     script.write_text(TREE)
     env = {**os.environ, "TREE_PYTHON": sys.executable}
     driver = subprocess.Popen([sys.executable, str(script), "driver"], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+                              stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)  # fmt: skip
     try:
         pids = json.loads(driver.stdout.readline())
         assert _policies(driver.pid) == {os.SCHED_OTHER}
@@ -100,10 +102,10 @@ def test_the_control_plane_goes_idle_and_the_request_path_keeps_its_policy(tmp_p
         assert _say(driver) == "done"
         driver.stdin.close()
         assert driver.wait(timeout=30) == 0
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-            driver.wait()
+    finally:  # the whole tree, also where an assertion left it running
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait()
 
 
 def test_the_policy_flag_is_checked() -> None:
