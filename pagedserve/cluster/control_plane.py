@@ -13,13 +13,13 @@ prompts one at a time, 30 requests a round, rounds alternated twice): the served
 p50 109 / 110 ms against 139 / 139 with them at SCHED_OTHER (nice 19 instead: 116 / 125), client
 TTFT p50 148 / 148 against 184 / 187 ms.
 
-The request path stays as it is: the Serve replicas (the ingress and the engine replicas, and
-the engine processes they start), the cluster state actor (routers and replicas call it; it
-drops a replica silent for state.STALE_REPLICA_S, which a starved actor must not misjudge), and
-Ray's idle workers, any of which may become a replica. So does the raylet (~0.3% of a core):
-a process inherits SCHED_IDLE from its parent (SCHED_RESET_ON_FORK resets only real-time
-policies and negative nice values), and the raylet starts every new worker, a replacement
-replica's among them.
+Only the processes named here move (an allow list: a process it does not know, such as a
+tensor-parallel rank's worker or a user's actor, keeps its policy). The request path stays as it
+is: the Serve replicas and the engine processes they start, the ranks, the cluster state actor
+(it drops a replica silent for state.STALE_REPLICA_S, which a starved actor must not misjudge),
+Ray's idle workers (any may become a replica), and the raylet (~0.3% of a core): a process
+inherits SCHED_IDLE from its parent (SCHED_RESET_ON_FORK resets only real-time policies and
+negative nice values), and the raylet starts every new worker, a replacement replica's too.
 """
 
 from __future__ import annotations
@@ -31,29 +31,32 @@ import psutil
 
 logger = logging.getLogger(__name__)
 
-# A process whose command line holds one of these (Ray sets a worker's title to "ray::<what>")
-# serves requests, or may: it and everything below it keep their policy.
-REQUEST_PATH = ("ray::ServeReplica:", "ray::ReplicaStateActor", "ray::IDLE")
-SPAWNER = "raylet"  # the program that starts Ray's workers: kept, its children judged one by one
+# The control plane: programs (argv[0]), Python scripts run by the interpreter, and Ray actors
+# (Ray sets a worker's title, its whole command line, to "ray::<Class>...").
+PROGRAMS = ("gcs_server",)
+SCRIPTS = ("log_monitor.py", "monitor.py", "dashboard.py")
+ACTORS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray::ServeController", "ray::ProxyActor",
+          "ray::NodeProbe")  # fmt: skip
+
+
+def _is_control_plane(cmdline: list[str]) -> bool:
+    if not cmdline:
+        return False
+    if cmdline[0].startswith(ACTORS) or os.path.basename(cmdline[0]) in PROGRAMS:
+        return True
+    script = next((a for a in cmdline[1:] if not a.startswith("-")), "")
+    return os.path.basename(cmdline[0]).startswith("python") and os.path.basename(script) in SCRIPTS
 
 
 def control_plane(root: int) -> list[psutil.Process]:
-    """`root` and the processes below it, less those on the request path (and all below them)
-    and the raylet."""
-    found: list[psutil.Process] = []
-    stack = [psutil.Process(root)]
-    while stack:
-        proc = stack.pop()
+    """`root` (the driver) and the control plane's processes below it."""
+    found = [psutil.Process(root)]
+    for proc in found[0].children(recursive=True):
         try:
-            cmdline = proc.cmdline()
-            children = proc.children()
+            if _is_control_plane(proc.cmdline()):
+                found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue  # gone, or not ours to judge: leave it
-        if any(marker in " ".join(cmdline) for marker in REQUEST_PATH):
-            continue
-        if not cmdline or os.path.basename(cmdline[0]) != SPAWNER:
-            found.append(proc)
-        stack.extend(children)
     return found
 
 
