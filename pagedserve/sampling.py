@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pagedserve.kernels import argmax_rows
+from pagedserve.kernels import argmax_rows, sample_rows
 
 # Below this temperature a row is greedy (vLLM's _SAMPLING_EPS): dividing by it would overflow.
 SAMPLING_EPS = 1e-5
@@ -692,6 +692,14 @@ class Sampler:
         return buffer[:num_rows]
 
     def _sample(self, logits: Tensor, rnd: RandomInputs) -> Tensor:
+        uniforms = torch.rand(rnd.num_rows, generator=self.generator, device=logits.device)
+        for position, generator in rnd.generators:
+            uniforms[position] = torch.rand((), generator=generator, device=logits.device)
+        if rnd.min_p is None and rnd.top_k is None and rnd.top_p is None:
+            # temperature alone: cpu_ops.cpp's sample_rows draws from the same uniforms in one call
+            tokens = sample_rows(logits, rnd.temperature, uniforms)
+            if tokens is not None:
+                return tokens
         # Every stage edits `logits` (scratch rows) in place; from the exp on they hold
         # probabilities up to a per-row scale (the row's largest is 1).
         if rnd.temperature is not None:
@@ -701,9 +709,6 @@ class Sampler:
             apply_min_p(probs, rnd.min_p)
         if rnd.top_k is not None or rnd.top_p is not None:
             apply_top_k_top_p(probs, rnd.top_k, rnd.top_p)
-        uniforms = torch.rand(rnd.num_rows, generator=self.generator, device=logits.device)
-        for position, generator in rnd.generators:
-            uniforms[position] = torch.rand((), generator=generator, device=logits.device)
         return sample_inverse_cdf(probs, uniforms)
 
 

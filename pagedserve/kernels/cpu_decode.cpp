@@ -1069,6 +1069,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_neox", &rotary_neox, "NeoX rotary embedding of query and key, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :d]) * x[:, d:]");
   m.def("argmax_rows", &argmax_rows, "each fp32 row's argmax, as torch.argmax(dim=-1)");
+  m.def("sample_rows", &sample_rows, "each fp32 row's token drawn from softmax(x / temperature) at its "
+        "uniform (the inverse CDF); -1 where the row's max is not finite");
   m.def("write_kv", &write_kv, "store K/V rows at their slots of the paged pools");
   m.def("prefill_bf16_available", &prefill_bf16_available, "whether the AVX512-BF16 prefill attention was built");
   m.def("prefill_amx_available", &prefill_amx_available, "whether paged_prefill can run on AMX tiles (built and "

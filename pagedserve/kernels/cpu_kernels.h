@@ -17,6 +17,7 @@ void rotary_neox(const at::Tensor& positions, at::Tensor& query, at::Tensor& key
                  int64_t head_dim);
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor argmax_rows(const at::Tensor& x);
+at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperature, const at::Tensor& uniforms);
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
               const at::Tensor& slot_mapping);
 // cpu_gemm.cpp

@@ -19,6 +19,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
+#include <vector>
 #include <type_traits>
 
 #include "cpu_pool.h"
@@ -380,5 +382,129 @@ at::Tensor argmax_rows(const at::Tensor& x) {
     }
     op[r] = best;
   }
+  return out;
+}
+
+// Each fp32 row's token drawn from softmax(x / temperature) at its uniform u in [0, 1): the first
+// index whose running sum of exp(x / t - max) exceeds u times the row's total, as the sampler's
+// torch code draws it (sampling.sample_inverse_cdf: divide, subtract the max, exp, cumsum,
+// searchsorted; 6 passes over the row and a [rows, vocab] CDF). Here: one pass for the max, one
+// for the exponentials (kept in a per-thread row buffer, their sums per vector of 16 in a double
+// prefix), a binary search over the vectors' prefix and a walk within the one vector the target
+// falls in. Entries below exp(-87.3) of the max count as 0 (torch: < 1.2e-38 of the mass), so a
+// -inf entry is never drawn. `temperature`: one per row, or empty (all 1). Returns int64 [rows];
+// -1 for a row whose max is not finite (NaN, or all -inf): the caller draws those with torch.
+// Rows run on the decode pool's threads (rows_for).
+at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperature, const at::Tensor& uniforms) {
+  check_rows(x, "sample_rows: x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "sample_rows: fp32 x");
+  const int64_t rows = x.size(0), V = x.size(1), xs = x.stride(0);
+  TORCH_CHECK(V > 0 && V < (int64_t{1} << 31), "sample_rows: rows of 1 to 2^31 - 1 values");
+  TORCH_CHECK(uniforms.scalar_type() == at::kFloat && uniforms.is_contiguous() && uniforms.numel() == rows,
+              "sample_rows: one fp32 uniform per row");
+  const bool scaled = temperature.numel() > 0;
+  TORCH_CHECK(!scaled || (temperature.scalar_type() == at::kFloat && temperature.is_contiguous() &&
+                          temperature.numel() == rows),
+              "sample_rows: one fp32 temperature per row, or none");
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  const float* up = uniforms.data_ptr<float>();
+  const float* tp = scaled ? temperature.data_ptr<float>() : nullptr;
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t nvec = (V + 15) / 16;
+  pagedserve_pool::rows_for(rows, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> e;
+    thread_local std::vector<double> prefix;
+    if (static_cast<int64_t>(e.size()) < nvec * 16) e.assign(nvec * 16, 0.0f);
+    if (static_cast<int64_t>(prefix.size()) < nvec) prefix.assign(nvec, 0.0);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * xs;
+      float* ep = e.data();
+      const float t = scaled ? tp[r] : 1.0f;
+      // pass 1: y = x / t (into the buffer where scaled) and its max
+      const float* y = row;
+      if (scaled) {
+        for (int64_t i = 0; i < V; ++i) ep[i] = row[i] / t;
+        y = ep;
+      }
+      float m = y[0];
+      bool nan = false;
+#if defined(__AVX512F__)
+      {
+        __m512 vmax = _mm512_set1_ps(y[0]);
+        __mmask16 nl = 0;
+        for (int64_t v = 0; v < nvec; ++v) {
+          const int64_t i = v * 16;
+          const __mmask16 lanes = i + 16 <= V ? static_cast<__mmask16>(0xffff)
+                                              : static_cast<__mmask16>((1u << (V - i)) - 1);
+          const __m512 yv = _mm512_mask_loadu_ps(_mm512_set1_ps(y[0]), lanes, y + i);
+          nl |= nan_lanes(yv);
+          vmax = _mm512_max_ps(vmax, yv);
+        }
+        m = _mm512_reduce_max_ps(vmax);
+        nan = nl != 0;
+      }
+#else
+      for (int64_t i = 0; i < V; ++i) {
+        nan |= is_nan_bits(y[i]);
+        m = y[i] > m ? y[i] : m;
+      }
+#endif
+      uint32_t mb;
+      std::memcpy(&mb, &m, 4);
+      if (nan || (mb & 0x7f800000u) == 0x7f800000u) {  // NaN, +inf or a row of -inf
+        op[r] = -1;
+        continue;
+      }
+      // pass 2: exponentials, their sums per vector of 16 as a running double prefix
+      double total = 0.0;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      const __m512 vm = _mm512_set1_ps(m), floor = _mm512_set1_ps(-87.3f), zero = _mm512_setzero_ps();
+      for (int64_t v = 0; v < nvec; ++v, i += 16) {
+        const __mmask16 lanes = i + 16 <= V ? static_cast<__mmask16>(0xffff)
+                                            : static_cast<__mmask16>((1u << (V - i)) - 1);
+        const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, y + i), vm);
+        const __mmask16 live = lanes & _mm512_cmp_ps_mask(d, floor, _CMP_GE_OQ);
+        const __m512 ev = _mm512_mask_mov_ps(zero, live, exp512(d));
+        _mm512_storeu_ps(ep + i, ev);
+        total += static_cast<double>(_mm512_reduce_add_ps(ev));
+        prefix[v] = total;
+      }
+#else
+      for (int64_t v = 0; v < nvec; ++v) {
+        float s = 0.0f;
+        for (int64_t j = 0; j < 16; ++j, ++i) {
+          const float d = i < V ? y[i] - m : -100.0f;
+          ep[i] = d >= -87.3f ? std::exp(d) : 0.0f;
+          s += ep[i];
+        }
+        total += s;
+        prefix[v] = total;
+      }
+#endif
+      // the target, strictly below the total (as the torch code's nextafter): lands on mass > 0
+      const double target = std::min(static_cast<double>(up[r]) * total, std::nextafter(total, 0.0));
+      int64_t lo = 0, hi = nvec - 1;  // the first vector whose prefix exceeds the target
+      while (lo < hi) {
+        const int64_t mid = (lo + hi) / 2;
+        if (prefix[mid] > target) hi = mid;
+        else lo = mid + 1;
+      }
+      double run = lo > 0 ? prefix[lo - 1] : 0.0;
+      int64_t token = -1, last = -1;
+      for (int64_t j = lo * 16; j < std::min(V, lo * 16 + 16); ++j) {
+        if (ep[j] <= 0.0f) continue;
+        last = j;
+        run += ep[j];
+        if (run > target) {
+          token = j;
+          break;
+        }
+      }
+      // the vector's own sum rounded otherwise than this walk: its last entry of positive mass
+      op[r] = token >= 0 ? token : last;
+    }
+  });
   return out;
 }

@@ -133,6 +133,80 @@ def test_fused_ops_follow_the_backend_and_the_switch(monkeypatch) -> None:
     assert kernels.fused_ops(x) is None
 
 
+def _inverse_cdf_reference(
+    x: torch.Tensor, temperature: torch.Tensor | None, uniforms: torch.Tensor
+) -> torch.Tensor:
+    """The draw the sampler's torch code makes for temperature-only rows (divide in fp32, exp of
+    the shifted row, cumsum, searchsorted) with the exp and the sums in float64: the torch code's
+    fp32 CDF rounds by ~1e-7 of the running sum, a few thousandths of one token's mass at 49152
+    tokens, and so parts from the exact draw now and then; the kernel's sums are in double."""
+    y = x.clone()
+    if temperature is not None:
+        y.div_(temperature[:, None])
+    probs = (y - y.amax(dim=-1, keepdim=True)).double().exp()
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    below = torch.nextafter(total, torch.zeros_like(total))
+    target = torch.minimum(uniforms.double()[:, None] * total, below)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+
+@pytest.mark.parametrize("helpers", [0, 1])
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 1000, 49152, 49155])
+def test_sample_rows_equals_the_torch_inverse_cdf(vocab, helpers) -> None:
+    """sample_rows against the sampler's torch code in float64 (divide, exp, cumsum, searchsorted)
+    on the same uniforms: the same token, with and without temperatures, rows read with a stride, -inf entries
+    (never drawn), uniforms at 0 and just below 1, on the decode pool's threads too."""
+    gen = torch.Generator().manual_seed(vocab)
+    assert cpu.set_decode_pool(helpers)
+    try:
+        for trial in range(12):
+            x = (torch.randn(16, vocab + 5, generator=gen) * 3)[:, :vocab]
+            if trial % 3 == 0 and vocab > 1:
+                x[:, 1::3] = -float("inf")  # penalized / banned tokens
+            temperature = torch.rand(16, generator=gen) * 2 + 0.05 if trial % 2 else None
+            uniforms = torch.rand(16, generator=gen)
+            uniforms[0], uniforms[1] = 0.0, 1.0 - 2**-24
+            got = kernels.sample_rows(x, temperature, uniforms)
+            assert got is not None and got.dtype == torch.int64
+            # u = 0: the first token; u just below 1: any token of positive mass (the last one of
+            # positive mass in exact arithmetic, where rounding decides); every other row the same
+            assert got[0] == 0
+            assert torch.equal(got[2:], _inverse_cdf_reference(x, temperature, uniforms)[2:])
+            assert torch.isfinite(x[torch.arange(16), got]).all()
+    finally:
+        cpu.set_decode_pool(0)
+
+
+def test_sample_rows_draws_the_softmax() -> None:
+    """The draws' frequencies follow softmax(x / t) (the distribution itself, not the torch code):
+    4000 rows of one 5-token row, a chi-square-sized tolerance on each token's share."""
+    x = torch.tensor([[2.0, 1.0, 0.0, -1.0, -float("inf")]]).repeat(4000, 1)
+    t = torch.full((4000,), 0.8)
+    got = kernels.sample_rows(x, t, torch.rand(4000, generator=torch.Generator().manual_seed(3)))
+    share = torch.bincount(got, minlength=5).double() / 4000
+    expected = torch.softmax(x[0].double() / 0.8, dim=-1)
+    assert share[4] == 0
+    assert torch.allclose(share, expected, atol=0.025), (share, expected)
+
+
+def test_sample_rows_leaves_non_finite_rows_to_torch() -> None:
+    """A row whose max is not finite (NaN, +inf, all -inf) is -1 from the kernel, and None from
+    kernels.sample_rows (the sampler then runs its torch code); bf16 logits or the torch backend
+    take the torch code too."""
+    ext = cpu.extension()
+    x = torch.randn(4, 40)
+    x[1, 3] = float("nan")
+    x[2] = -float("inf")
+    x[3, 9] = float("inf")
+    got = ext.sample_rows(x, torch.empty(0), torch.full((4,), 0.5))
+    assert got[1:].tolist() == [-1, -1, -1] and 0 <= got[0] < 40
+    assert kernels.sample_rows(x, None, torch.full((4,), 0.5)) is None
+    assert kernels.sample_rows(x[:1].bfloat16(), None, torch.full((1,), 0.5)) is None
+    with kernels.use_backend("torch"):
+        assert kernels.sample_rows(x[:1], None, torch.full((1,), 0.5)) is None
+
+
 @pytest.mark.parametrize("vocab", [1, 15, 16, 17, 49152, 49155])
 def test_argmax_rows_equals_torch_argmax(vocab) -> None:
     """argmax_rows against torch.argmax (the oracle): random rows, ties (the first index wins),
