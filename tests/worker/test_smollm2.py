@@ -242,6 +242,48 @@ def test_bf16_layers_in_cpp_equal_the_modules(smollm2_dir: Path, monkeypatch) ->
                 assert torch.equal(a, b)
 
 
+def test_bf16_steps_past_the_dense_panels_run_in_cpp(smollm2_dir: Path, monkeypatch) -> None:
+    """On AVX512-BF16 without AMX the linears keep cpu_gemm.cpp's dense panels for steps of up to
+    GEMM_MAX_ROWS rows and oneDNN's weights past them: a step of more rows (a prefill of the three
+    prompts) runs its layers in one C++ call on oneDNN's weights, decode steps of three rows stay
+    in the modules (the panels have no C++ layer path), and every step's logits equal the modules'
+    own loop bit for bit (the prompts' logits at every position, then each decode row's). The
+    panels are built here on any CPU with AVX512-BF16."""
+    from pagedserve.kernels import cpu
+    from pagedserve.worker.layers import GEMM_MAX_ROWS, prepack_linear_weights
+    from pagedserve.worker.models import llama
+
+    if cpu.extension() is None or not cpu.extension().gemm_bf16_available() or not cpu.prefill_enabled():
+        pytest.skip("dense bf16 panels and the bf16 prefill kernel need AVX512-BF16")
+    model, config = load_model(smollm2_dir, dtype="bfloat16", device="cpu")
+    prepack_linear_weights(model, gguf_blocks=False)  # oneDNN's weights (and panels without AMX)
+    for m in model.modules():
+        if hasattr(m, "gemm_weight") and m.packed_weight is not None:
+            m.gemm_weight = cpu.extension().pack_linear(m.weight.detach())
+    prompts = [_chat_ids(smollm2_dir, q) for q in QUESTIONS]
+    assert sum(map(len, prompts)) > GEMM_MAX_ROWS[torch.bfloat16]
+    ran = []
+    real = llama._cpu_layers
+    monkeypatch.setattr(llama, "_cpu_layers", lambda *a: ran.append(r := real(*a)) or r)
+
+    def run(in_cpp: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(cpu, "DECODE_LAYERS", in_cpp)
+        monkeypatch.setattr(cpu, "PREFILL_LAYERS", in_cpp)
+        pool = KVPool.for_model(config, num_blocks=32, block_size=16, dtype=torch.bfloat16)
+        with torch.no_grad():
+            return [logits for _, logits in prefill_then_decode(model, pool.kv_caches, prompts, 16, 32, 4)]
+
+    loop = run(False)
+    assert ran == [None] * 5
+    ran.clear()
+    cpp = run(True)
+    assert ran[0] is not None, "the prefill step runs in C++"
+    assert ran[1:] == [None] * 4, "decode steps of three rows stay on the panels, in the modules"
+    assert len(cpp) == len(loop) == len(prompts) * 5 - 1  # each prompt's logits, then each decode row's
+    for a, b in zip(cpp, loop, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_bf16_decode_on_onednn_weights_split_over_the_pool_matches_transformers(
         smollm2_dir: Path, torch_threads) -> None:  # fmt: skip
     """As served on 2 cores in bf16: decode steps on one torch thread multiply oneDNN's weights

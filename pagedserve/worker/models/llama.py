@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from pagedserve.worker.layers import (
+    GEMM_MAX_ROWS,
     Attention,
     AttentionMetadata,
     Bf16Blocks,
@@ -169,11 +170,13 @@ def _cpu_layers(model: LlamaModel, hidden: Tensor, positions: Tensor, meta: Atte
     """A step's decoder layers in one C++ call (kernels/cpu_layers.cpp: the same kernels in the
     same order as the modules, results equal bit for bit) where every piece of them has one: bf16
     on the CPU backend with the fused ops, one KV group of bf16 pools, every linear layer without
-    bias and in bf16 GGUF block records for this many rows or prepacked for oneDNN, no per-head
-    norms, one tensor-parallel rank; a step with prefill chunks also needs cpu_prefill.cpp's
-    kernel for them (cpu.prefill_enabled). Returns the final norm's (hidden, residual), or None
-    where the modules' loop runs (``PAGEDSERVE_CPU_DECODE_LAYERS=0``: decode steps,
-    ``PAGEDSERVE_CPU_PREFILL_LAYERS=0``: steps with prefill chunks)."""
+    bias and in bf16 GGUF block records for this many rows or prepacked for oneDNN (also one in
+    cpu_gemm.cpp's dense panels, on AVX512-BF16 without AMX, in a step of more rows than those
+    take: layers.linear runs oneDNN there as well), no per-head norms, one tensor-parallel rank;
+    a step with prefill chunks also needs cpu_prefill.cpp's kernel for them (cpu.prefill_enabled).
+    Returns the final norm's (hidden, residual), or None where the modules' loop runs
+    (``PAGEDSERVE_CPU_DECODE_LAYERS=0``: decode steps, ``PAGEDSERVE_CPU_PREFILL_LAYERS=0``: steps
+    with prefill chunks)."""
     from pagedserve import kernels
 
     ops = kernels.fused_ops(hidden)
@@ -204,6 +207,8 @@ def _cpu_layers(model: LlamaModel, hidden: Tensor, positions: Tensor, meta: Atte
             return None  # fmt: skip
         for linear in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             blocks, dense = linear.gemm_weight, linear.packed_weight
+            if isinstance(blocks, Tensor) and rows > GEMM_MAX_ROWS[blocks.dtype] and dense is not None:
+                blocks = None  # cpu_gemm.cpp's dense panels: past their rows layers.linear takes oneDNN too
             if linear.bias is not None or (blocks is not None and not isinstance(blocks, Bf16Blocks)):
                 return None
             in_blocks = blocks is not None and rows <= blocks.max_rows
