@@ -46,8 +46,9 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
 // cpu_layers.cpp
 // hidden [T, H]: the step's embeddings. Per layer i: norms[2 i] (input) and [2 i + 1]
 // (post-attention) RMSNorm weights; for its linears j = qkv, o, gate_up, down, [4 i + j]: the
-// weight's GGUF block records (linear_blocks_bf16's records, features, q8 and amx; an empty tensor
-// where it has none), taken for steps of up to max_rows rows, else its oneDNN-prepacked weight
+// weight's GGUF block records (linear_blocks_bf16's records, features, q8 and amx; or, bf16, its
+// dense panels of pack_linear for linear_packed; an empty tensor where it has none), taken for steps
+// of up to max_rows rows, else its oneDNN-prepacked weight
 // (empty where it has none), or where parts[4 i + j] is not empty and the step runs on one torch
 // thread, those (linear_onednn_split's parts and starts); its K and V pools and sliding window (0: none). positions and
 // slot_mapping int64 [T]. Attention: without chunks every row is one sequence's one token

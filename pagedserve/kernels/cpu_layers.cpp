@@ -1,7 +1,8 @@
 // A step's decoder layers of a Llama-family model in one call: bf16, every linear layer's weight in
-// cpu_blocks_bf16.cpp's GGUF block records (steps of up to a weight's max_rows rows) or prepacked
-// for oneDNN (more rows; in parts over the decode pool's threads where a step runs on one torch
-// thread), attention through cpu_decode.cpp (one-token rows) and cpu_prefill.cpp
+// cpu_blocks_bf16.cpp's GGUF block records or cpu_gemm.cpp's dense bf16 panels (AVX512-BF16 without
+// AMX; a bf16 tensor where records are uint8), for steps of up to a weight's max_rows rows, or
+// prepacked for oneDNN (more rows; in parts over the decode pool's threads where a step runs on
+// one torch thread), attention through cpu_decode.cpp (one-token rows) and cpu_prefill.cpp
 // (prefill chunks).
 //
 // Why: the layers' work is ~12 calls a layer into this extension or torch (norms, four linears,
@@ -81,8 +82,10 @@ std::vector<at::Tensor> llama_layers(
     }
     auto lin = [&](const at::Tensor& x, int64_t j) {
       const size_t w = static_cast<size_t>(4 * i + j);
-      if (records[w].numel() > 0 && x.size(0) <= max_rows[w])
-        return linear_blocks_bf16(x, records[w], c10::nullopt, features[w], q8[w], amx[w]);
+      if (records[w].numel() > 0 && x.size(0) <= max_rows[w])  // bf16: cpu_gemm.cpp's dense panels
+        return records[w].scalar_type() == at::kBFloat16
+                   ? linear_packed(x, records[w], c10::nullopt, features[w])
+                   : linear_blocks_bf16(x, records[w], c10::nullopt, features[w], q8[w], amx[w]);
       if (!parts[w].empty() && at::get_num_threads() == 1)  // layers.linear's OnednnParts
         return linear_onednn_split(x, parts[w], part_starts[w], c10::nullopt);
       return onednn_linear(x, packed[w]);

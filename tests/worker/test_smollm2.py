@@ -242,13 +242,13 @@ def test_bf16_layers_in_cpp_equal_the_modules(smollm2_dir: Path, monkeypatch) ->
                 assert torch.equal(a, b)
 
 
-def test_bf16_steps_past_the_dense_panels_run_in_cpp(smollm2_dir: Path, monkeypatch) -> None:
+def test_bf16_dense_panels_run_in_cpp(smollm2_dir: Path, monkeypatch) -> None:
     """On AVX512-BF16 without AMX the linears keep cpu_gemm.cpp's dense panels for steps of up to
-    GEMM_MAX_ROWS rows and oneDNN's weights past them: a step of more rows (a prefill of the three
-    prompts) runs its layers in one C++ call on oneDNN's weights, decode steps of three rows stay
-    in the modules (the panels have no C++ layer path), and every step's logits equal the modules'
-    own loop bit for bit (the prompts' logits at every position, then each decode row's). The
-    panels are built here on any CPU with AVX512-BF16."""
+    GEMM_MAX_ROWS rows and oneDNN's weights past them; a step's layers run in one C++ call either
+    way: decode steps of three rows on the panels (linear_packed), a prefill of the three prompts
+    and steps mixing chunks with decode rows on oneDNN's weights where they pass GEMM_MAX_ROWS.
+    Every step's logits equal the modules' own loop bit for bit (the prompts' logits at every
+    position, then each decode row's). The panels are built here on any CPU with AVX512-BF16."""
     from pagedserve.kernels import cpu
     from pagedserve.worker.layers import GEMM_MAX_ROWS, prepack_linear_weights
     from pagedserve.worker.models import llama
@@ -266,22 +266,26 @@ def test_bf16_steps_past_the_dense_panels_run_in_cpp(smollm2_dir: Path, monkeypa
     real = llama._cpu_layers
     monkeypatch.setattr(llama, "_cpu_layers", lambda *a: ran.append(r := real(*a)) or r)
 
-    def run(in_cpp: bool) -> list[torch.Tensor]:
+    def run(steps, in_cpp: bool) -> list[torch.Tensor]:
         monkeypatch.setattr(cpu, "DECODE_LAYERS", in_cpp)
         monkeypatch.setattr(cpu, "PREFILL_LAYERS", in_cpp)
         pool = KVPool.for_model(config, num_blocks=32, block_size=16, dtype=torch.bfloat16)
         with torch.no_grad():
-            return [logits for _, logits in prefill_then_decode(model, pool.kv_caches, prompts, 16, 32, 4)]
+            return steps(model, pool.kv_caches, prompts)
 
-    loop = run(False)
-    assert ran == [None] * 5
-    ran.clear()
-    cpp = run(True)
-    assert ran[0] is not None, "the prefill step runs in C++"
-    assert ran[1:] == [None] * 4, "decode steps of three rows stay on the panels, in the modules"
-    assert len(cpp) == len(loop) == len(prompts) * 5 - 1  # each prompt's logits, then each decode row's
-    for a, b in zip(cpp, loop, strict=True):
-        assert torch.equal(a, b)
+    def batches(model, kv_caches, prompts):
+        return [logits for _, logits in prefill_then_decode(model, kv_caches, prompts, 16, 32, 4)]
+
+    for steps, count in ((batches, 5), (_mixed_steps, 6)):
+        ran.clear()
+        loop = run(steps, False)
+        assert ran == [None] * count
+        ran.clear()
+        cpp = run(steps, True)
+        assert len(ran) == count and all(r is not None for r in ran), "every step runs in C++"
+        assert len(cpp) == len(loop)
+        for a, b in zip(cpp, loop, strict=True):
+            assert torch.equal(a, b)
 
 
 def test_bf16_decode_on_onednn_weights_split_over_the_pool_matches_transformers(

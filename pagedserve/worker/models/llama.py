@@ -170,9 +170,9 @@ def _cpu_layers(model: LlamaModel, hidden: Tensor, positions: Tensor, meta: Atte
     """A step's decoder layers in one C++ call (kernels/cpu_layers.cpp: the same kernels in the
     same order as the modules, results equal bit for bit) where every piece of them has one: bf16
     on the CPU backend with the fused ops, one KV group of bf16 pools, every linear layer without
-    bias and in bf16 GGUF block records for this many rows or prepacked for oneDNN (also one in
-    cpu_gemm.cpp's dense panels, on AVX512-BF16 without AMX, in a step of more rows than those
-    take: layers.linear runs oneDNN there as well), no per-head norms, one tensor-parallel rank;
+    bias and in bf16 GGUF block records or cpu_gemm.cpp's dense bf16 panels (AVX512-BF16 without
+    AMX) for this many rows, or prepacked for oneDNN (past the panels' rows layers.linear runs
+    oneDNN too), no per-head norms, one tensor-parallel rank;
     a step with prefill chunks also needs cpu_prefill.cpp's kernel for them (cpu.prefill_enabled).
     Returns the final norm's (hidden, residual), or None where the modules' loop runs
     (``PAGEDSERVE_CPU_DECODE_LAYERS=0``: decode steps, ``PAGEDSERVE_CPU_PREFILL_LAYERS=0``: steps
@@ -207,12 +207,14 @@ def _cpu_layers(model: LlamaModel, hidden: Tensor, positions: Tensor, meta: Atte
             return None  # fmt: skip
         for linear in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             blocks, dense = linear.gemm_weight, linear.packed_weight
-            if isinstance(blocks, Tensor) and rows > GEMM_MAX_ROWS[blocks.dtype] and dense is not None:
-                blocks = None  # cpu_gemm.cpp's dense panels: past their rows layers.linear takes oneDNN too
-            if linear.bias is not None or (blocks is not None and not isinstance(blocks, Bf16Blocks)):
+            panels = isinstance(blocks, Tensor) and blocks.dtype == torch.bfloat16  # cpu_gemm.cpp's
+            if panels and rows > GEMM_MAX_ROWS[blocks.dtype]:
+                blocks, panels = None, False  # past the panels' rows layers.linear takes oneDNN too
+            known = blocks is None or panels or isinstance(blocks, Bf16Blocks)
+            if linear.bias is not None or not known:
                 return None
-            in_blocks = blocks is not None and rows <= blocks.max_rows
-            if not in_blocks and dense is None:
+            limit = GEMM_MAX_ROWS[torch.bfloat16] if panels else blocks.max_rows if blocks is not None else 0
+            if not (blocks is not None and rows <= limit) and dense is None:
                 return None
             if isinstance(dense, OnednnParts):  # layers.linear's split over the decode pool
                 parts.append(dense.parts)
@@ -221,10 +223,10 @@ def _cpu_layers(model: LlamaModel, hidden: Tensor, positions: Tensor, meta: Atte
             else:
                 parts.append([])
                 starts_of.append([])
-            records.append(blocks.records if blocks is not None else none)
-            q8.append(blocks is not None and blocks.q8)
-            amx.append(blocks is not None and blocks.amx)
-            max_rows.append(blocks.max_rows if blocks is not None else 0)
+            records.append(blocks if panels else blocks.records if blocks is not None else none)
+            q8.append(not panels and blocks is not None and blocks.q8)
+            amx.append(not panels and blocks is not None and blocks.amx)
+            max_rows.append(limit)
             packed.append(dense if dense is not None else none)
             features.append(linear.weight.shape[0])
         norms += (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
