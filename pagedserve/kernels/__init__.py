@@ -135,7 +135,7 @@ def sample_rows(logits: Tensor, temperature: Tensor | None, uniforms: Tensor) ->
     as sampling.sample_inverse_cdf draws it from the same uniforms) by cpu_ops.cpp's sample_rows:
     fp32 logits [rows, vocab] with contiguous rows on the CPU backend, left unmodified. None where
     the extension does not apply (the caller runs the torch code) or a row's max is not finite.
-    A batch of 16 over 49152 tokens: ~0.2 ms against ~1.5 ms for the torch code on one thread."""
+    16 rows of 49152 tokens on one thread: 0.6 ms against 1.9 ms for the torch code."""
     t = logits
     ops = fused_ops(t) if t.dim() == 2 and t.dtype == torch.float32 and t.stride(-1) == 1 else None
     if ops is None or not t.shape[-1]:
